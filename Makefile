@@ -1,0 +1,64 @@
+# The README's two commands: `make demo` and `make test`. Each installs what it needs.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+AZURITE := node_modules/.bin/azurite-blob
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+STACK ?= prod
+PYTEST_ARGS ?=
+
+.PHONY: all install debs demo test lint unit bench plan teardown clean
+
+all: test
+
+# Python environment from pyproject.toml, the one place versions are pinned.
+$(STAMP): pyproject.toml
+	@$(PY) -m venv $(VENV) || { echo "error: could not create $(VENV) with $(PY) -m venv; install python3-venv" >&2; exit 1; }
+	@$(BIN)/pip install -q --upgrade pip
+	@$(BIN)/pip install -q -e '.[infra,demo,dev]' || { echo "error: pip could not install the packages pinned in pyproject.toml; check access to PyPI (pip config list)" >&2; exit 1; }
+	@touch $@
+
+# Azurite from the npm registry, inside the project (node_modules/), never globally.
+$(AZURITE): package.json package-lock.json
+	@command -v npm >/dev/null || { echo "error: npm not found; install Node.js >= 18 (Debian: apt-get install nodejs npm)" >&2; exit 1; }
+	@npm ci --no-audit --no-fund --loglevel=error || { echo "error: npm could not install Azurite (package.json) from the npm registry; check access to $$(npm config get registry)" >&2; exit 1; }
+	@touch $@
+
+# Debian packages: fio (storage benchmark), cloud-init (schema check of the rendered custom data).
+debs:
+	@missing=""; \
+	command -v fio >/dev/null || missing="$$missing fio"; \
+	command -v cloud-init >/dev/null || missing="$$missing cloud-init"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null \
+	  || { echo "error: apt-get could not install$$missing" >&2; exit 1; }; \
+	fi
+
+install: $(STAMP) $(AZURITE) debs
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+unit: install
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test: install lint unit
+
+demo: $(STAMP) $(AZURITE)
+	$(BIN)/tiered-ckpt demo
+
+bench: install
+	$(BIN)/python -m benchmarks
+
+plan: $(STAMP)
+	$(BIN)/python scripts/plan.py --stack $(STACK)
+
+teardown: $(STAMP)
+	$(BIN)/python scripts/teardown.py --stack $(STACK) $(ARGS)
+
+clean:
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo .bench

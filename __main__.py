@@ -1,0 +1,1 @@
+"""Placeholder until the Pulumi program lands (issue 2)."""
