@@ -33,3 +33,7 @@ def azurite_container(azurite: Azurite) -> Iterator[tuple[str, str]]:
             svc.delete_container(name)
         except Exception:
             pass
+
+
+# The ARM double (tests/doubles/arm_double.py): arm_tls, arm_double, arm_jobs, arm_env.
+from tests.doubles.arm_fixtures import arm_double, arm_env, arm_jobs, arm_tls  # noqa: E402,F401

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from enum import Enum
 from typing import Any, NamedTuple, TypeVar
 
 from azure.core.exceptions import (
@@ -36,6 +37,12 @@ T = TypeVar("T")
 
 ARM_DEFAULT = "https://management.azure.com"
 API_VERSION = "2026-08-01"   # azure-mgmt-storagecache 4.1.0's default; named in operator commands
+
+# Defaults a test (or a future setting) may change for every AmlfsJobs built without explicit values:
+# how often to poll job state, how long to wait, and azure-core client options (retry policy).
+DEFAULT_POLL_INTERVAL = 10.0
+DEFAULT_TIMEOUT = 3600.0
+CLIENT_DEFAULTS: dict[str, Any] = {"retry_total": 5, "retry_backoff_factor": 0.8, "retry_backoff_max": 60}
 
 # Import job states (ImportStatusType). Terminal ones end the wait.
 IMPORT_RUNNING = ("InProgress", "Cancelling")
@@ -242,6 +249,9 @@ def _int(v: Any) -> int:
 
 
 def _str(v: Any) -> str:
+    # The SDK returns str-based enums; str() of those is "Type.MEMBER", the wire value is .value.
+    if isinstance(v, Enum):
+        return str(v.value)
     return str(v) if v is not None else ""
 
 
@@ -249,8 +259,17 @@ def _as_utc(v: Any) -> datetime | None:
     if v is None:
         return None
     if isinstance(v, datetime):
-        return v if v.tzinfo else v.replace(tzinfo=timezone.utc)
+        return v.astimezone(timezone.utc) if v.tzinfo else v.replace(tzinfo=timezone.utc)
     return datetime.fromisoformat(str(v).replace("Z", "+00:00"))
+
+
+def default_credential(target: AmlfsTarget) -> Any:
+    """The node's user-assigned managed identity when configured, else DefaultAzureCredential."""
+    from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
+
+    if target.managed_identity_client_id:
+        return ManagedIdentityCredential(client_id=target.managed_identity_client_id)
+    return DefaultAzureCredential()
 
 
 def make_client(target: AmlfsTarget, credential: Any = None, **client_options: Any) -> Any:
@@ -259,13 +278,8 @@ def make_client(target: AmlfsTarget, credential: Any = None, **client_options: A
     from azure.mgmt.storagecache import StorageCacheManagementClient
 
     if credential is None:
-        from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
-
-        if target.managed_identity_client_id:
-            credential = ManagedIdentityCredential(client_id=target.managed_identity_client_id)
-        else:
-            credential = DefaultAzureCredential()
-    kwargs: dict[str, Any] = {"retry_total": 5, "retry_backoff_factor": 0.8, "retry_backoff_max": 60}
+        credential = default_credential(target)
+    kwargs: dict[str, Any] = dict(CLIENT_DEFAULTS)
     kwargs.update(client_options)
     return StorageCacheManagementClient(credential, target.subscription_id, base_url=target.base_url, **kwargs)
 
@@ -278,17 +292,21 @@ class AmlfsJobs:
         target: AmlfsTarget,
         credential: Any = None,
         *,
-        poll_interval: float = 10.0,
-        timeout: float = 3600.0,
+        poll_interval: float | None = None,
+        timeout: float | None = None,
         client: Any = None,
         client_options: dict[str, Any] | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.target = target
-        self.poll_interval = poll_interval
-        self.timeout = timeout
+        self.poll_interval = DEFAULT_POLL_INTERVAL if poll_interval is None else poll_interval
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self._sleep = sleep
         self.client = client if client is not None else make_client(target, credential, **(client_options or {}))
+
+    @classmethod
+    def from_config(cls, cfg: NodeConfig, credential: Any = None, **kwargs: Any) -> AmlfsJobs:
+        return cls(AmlfsTarget.from_config(cfg), credential, **kwargs)
 
     # -- helpers ------------------------------------------------------------------------------
 
