@@ -1,0 +1,210 @@
+"""The local exporter: the local-mode STAND-IN for AMLFS auto-export (not used on AMLFS).
+
+Same semantics as the AMLFS auto-export job, so that everything above it (archive proof,
+retention, restore) behaves the same in local mode:
+
+* it copies new and changed files under the checkpoint root to the container, under the
+  same relative path (blob = archive.prefix + "/" + path relative to the root),
+  committed or not, in iterations;
+* it never deletes a blob (deletes and renames on the accelerator layer are not propagated);
+* each iteration records files discovered / exported / failed and the completion time of
+  the last successful iteration, like the job's status in ARM.
+
+Change detection uses the size and mtime the exporter stored in each blob's metadata (no
+state outside Blob to lose). A file still being written is uploaded as it was when stat'ed;
+its size or mtime then changes, so a later iteration uploads it again. The xxh3-128 of the
+bytes actually sent is stored as metadata after the upload: a blob without it (crash between
+the two calls) is exported again and never counts as proof.
+
+Names starting with '.' under the root (the toolkit's lock and journal) are not exported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .blobstore import META_HASH, META_MTIME, META_SIZE, BlobInfo, BlobStore
+from .config import NodeConfig
+from .errors import UserError
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+@dataclass
+class Iteration:
+    started_utc: str
+    completed_utc: str = ""
+    files_discovered: int = 0       # new or changed since the last export
+    files_exported: int = 0
+    files_failed: int = 0
+    bytes_exported: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    exported: list[str] = field(default_factory=list)   # relative paths, for timelines
+
+    @property
+    def ok(self) -> bool:
+        return self.files_failed == 0
+
+
+@dataclass
+class ExportStatus:
+    """Shaped like the AMLFS auto-export job's status (arm.AutoExportStatus)."""
+
+    admin_status: str = "Enable"
+    state: str = "InProgress"              # InProgress | Failed (last iteration failed) | Disabled
+    iterations: int = 0
+    last_successful_iteration_utc: str | None = None
+    total_files_failed: int = 0
+    last_iteration: dict[str, Any] | None = None
+    stand_in: str = "local exporter (stand-in for AMLFS auto-export)"
+
+
+def default_status_path(root: str | os.PathLike[str]) -> Path:
+    """Next to the root, not inside it: outside the exported tree, and it survives a wipe of it."""
+    r = Path(root).resolve()
+    return r.parent / f".{r.name}.export-status.json"
+
+
+def read_status(path: str | os.PathLike[str]) -> ExportStatus | None:
+    try:
+        d = json.loads(Path(path).read_text())
+        return ExportStatus(**{k: v for k, v in d.items() if k in ExportStatus.__dataclass_fields__})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+class Exporter:
+    def __init__(self, cfg: NodeConfig, store: BlobStore | None = None, status_path: str | os.PathLike[str] | None = None) -> None:
+        if cfg.backend != "local":
+            raise UserError(
+                "`tiered-ckpt export` is the local stand-in for AMLFS auto-export; with backend amlfs the "
+                "auto-export job does this (see `tiered-ckpt status`). Use --backend local for local mode."
+            )
+        self.cfg = cfg
+        self.root = Path(cfg.root)
+        self.store = store or BlobStore(cfg.archive)
+        self.status_path = Path(status_path) if status_path else default_status_path(cfg.root)
+        self.status = read_status(self.status_path) or ExportStatus()
+
+    # -- discovery ------------------------------------------------------------------------
+    def walk(self) -> dict[str, os.stat_result]:
+        """Every regular file under the root (relative path -> stat), dot-names skipped."""
+        out: dict[str, os.stat_result] = {}
+        if not self.root.is_dir():
+            return out
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for n in filenames:
+                if n.startswith("."):
+                    continue
+                p = os.path.join(dirpath, n)
+                try:
+                    st = os.lstat(p)
+                except FileNotFoundError:
+                    continue
+                if not os.path.isfile(p) or os.path.islink(p):
+                    continue
+                out[Path(p).relative_to(self.root).as_posix()] = st
+        return out
+
+    @staticmethod
+    def changed(st: os.stat_result, blob: BlobInfo | None) -> bool:
+        if blob is None or META_HASH not in blob.metadata:
+            return True
+        md = blob.metadata
+        return md.get(META_SIZE) != str(st.st_size) or md.get(META_MTIME) != str(st.st_mtime_ns) or blob.size != st.st_size
+
+    def discover(self) -> list[tuple[str, os.stat_result]]:
+        files = self.walk()
+        blobs = self.store.listing("")
+        return sorted(((rel, st) for rel, st in files.items() if self.changed(st, blobs.get(rel))), key=lambda x: x[0])
+
+    # -- one iteration ----------------------------------------------------------------------
+    def _export_one(self, rel: str, st: os.stat_result, per_file: int) -> int:
+        path = str(self.root / rel)
+        meta = {META_SIZE: str(st.st_size), META_MTIME: str(st.st_mtime_ns)}
+        size, digest = self.store.upload_file(path, rel, metadata=meta, length=st.st_size, concurrency=per_file)
+        self.store.set_metadata(rel, {**meta, META_HASH: digest})
+        return size
+
+    def iterate(self, on_file: Callable[[str, int], None] | None = None) -> Iteration:
+        """Discover and upload new/changed files once; never raises for one file's failure."""
+        it = Iteration(started_utc=_now())
+        t0 = time.monotonic()
+        try:
+            todo = self.discover()
+        except UserError as e:
+            it.files_failed = 1
+            it.errors.append(str(e))
+            todo = []
+        it.files_discovered = len(todo)
+        if todo:
+            workers = max(1, min(self.cfg.archive.concurrency, len(todo)))
+            per_file = max(1, self.cfg.archive.concurrency // workers)
+
+            def one(item: tuple[str, os.stat_result]) -> tuple[str, int | None, str]:
+                rel, st = item
+                try:
+                    return rel, self._export_one(rel, st, per_file), ""
+                except FileNotFoundError:
+                    return rel, None, ""         # deleted since discovery: nothing to export
+                except (UserError, OSError) as e:
+                    return rel, None, f"{rel}: {e}"
+
+            with ThreadPoolExecutor(workers) as ex:
+                for rel, n, err in ex.map(one, todo):
+                    if n is not None:
+                        it.files_exported += 1
+                        it.bytes_exported += n
+                        it.exported.append(rel)
+                        if on_file is not None:
+                            on_file(rel, n)
+                    elif err:
+                        it.files_failed += 1
+                        it.errors.append(err)
+        it.seconds = time.monotonic() - t0
+        it.completed_utc = _now()
+        self._record(it)
+        return it
+
+    def _record(self, it: Iteration) -> None:
+        s = self.status
+        s.iterations += 1
+        s.total_files_failed += it.files_failed
+        s.state = "InProgress" if it.ok else "Failed"
+        if it.ok:
+            s.last_successful_iteration_utc = it.completed_utc
+        d = asdict(it)
+        d["exported"] = d["exported"][:100]
+        d["errors"] = d["errors"][:20]
+        s.last_iteration = d
+        self.status_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.status_path.with_name(self.status_path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(s), indent=1))
+        os.replace(tmp, self.status_path)   # a status file, not checkpoint data: a rename is fine here
+
+    def watch(self, interval: float = 5.0, stop: threading.Event | None = None, max_iterations: int | None = None,
+              on_iteration: Callable[[Iteration], None] | None = None) -> None:
+        """Iterate until `stop` is set (or Ctrl-C / SIGTERM); an iteration starts every `interval` s."""
+        stop = stop or threading.Event()
+        n = 0
+        while not stop.is_set():
+            t0 = time.monotonic()
+            it = self.iterate()
+            n += 1
+            if on_iteration is not None:
+                on_iteration(it)
+            if max_iterations is not None and n >= max_iterations:
+                break
+            stop.wait(max(0.0, interval - (time.monotonic() - t0)))

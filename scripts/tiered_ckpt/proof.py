@@ -1,0 +1,129 @@
+"""Per-file proof that a committed checkpoint is archived, never an assumption.
+
+Every file the manifest names, plus the marker itself (restore scans markers in Blob, so a
+checkpoint whose marker is not archived could not be found again), must be proven:
+
+* AMLFS: `lfs hsm_state` (batched across all checkpoints) says exists + archived and not
+  dirty, lost or noarchive; and, whenever the archive is configured, the blob exists with the
+  same size. An archive that is configured but unreachable proves nothing (UnavailableError):
+  never delete on doubt.
+* local: the blob exists with the same size and the xxh3-128 the exporter stored matches the
+  manifest's (for the marker: the hash of the local marker file).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .backends import TierBackend
+from .blobstore import BlobInfo
+from .hashing import hash_path
+from .hsm import HsmState
+from .manifest import MARKER, CheckpointInfo
+
+
+@dataclass(frozen=True)
+class FileProof:
+    path: str                 # on the accelerator layer
+    rel: str                  # relative to the root (the blob name without the prefix)
+    archived: bool
+    reason: str = ""          # why not, when not
+    released: bool = False
+
+
+@dataclass
+class CheckpointProof:
+    name: str
+    files: list[FileProof] = field(default_factory=list)
+
+    @property
+    def archived(self) -> bool:
+        return bool(self.files) and all(f.archived for f in self.files)
+
+    @property
+    def first_problem(self) -> FileProof | None:
+        return next((f for f in self.files if not f.archived), None)
+
+    @property
+    def released(self) -> bool:
+        data = [f for f in self.files if not f.rel.endswith("/" + MARKER)]
+        return bool(data) and all(f.released for f in data)
+
+    @property
+    def unarchived_bytes(self) -> int:
+        total = 0
+        for f in self.files:
+            if not f.archived:
+                try:
+                    total += Path(f.path).stat().st_size
+                except OSError:
+                    pass
+        return total
+
+    def blocked_reason(self) -> str:
+        p = self.first_problem
+        return "" if p is None else f"{p.rel} is not archived: {p.reason}"
+
+
+def _expected(info: CheckpointInfo) -> list[tuple[str, int, str | None]]:
+    """(path, size, xxh3) for every file to prove, the marker last."""
+    assert info.manifest is not None
+    out: list[tuple[str, int, str | None]] = [(str(info.path / f.path), f.size, f.hash) for f in info.manifest.files]
+    marker = info.path / MARKER
+    out.append((str(marker), marker.stat().st_size, None))
+    return out
+
+
+def prove(backend: TierBackend, infos: list[CheckpointInfo]) -> dict[str, CheckpointProof]:
+    """Proofs for committed checkpoints (others are skipped), keyed by checkpoint name."""
+    committed = [c for c in infos if c.manifest is not None]
+    if not committed:
+        return {}
+    expected = {c.name: _expected(c) for c in committed}
+    all_paths = [p for exp in expected.values() for p, _, _ in exp]
+
+    hsm = backend.hsm_states(all_paths)
+    states: dict[str, HsmState] = {}
+    hsm_errors: dict[str, str] = {}
+    if hsm is not None:
+        states, hsm_errors = hsm
+
+    blobs: dict[str, BlobInfo] | None = None
+    if hsm is None or backend.archive_configured:
+        blobs = {}
+        for model in sorted({c.model for c in committed}):
+            blobs.update(backend.store.listing(model))
+
+    local = hsm is None
+    out: dict[str, CheckpointProof] = {}
+    for c in committed:
+        proof = CheckpointProof(c.name)
+        for path, size, digest in expected[c.name]:
+            rel = backend.rel(path)
+            ok, reason, released = True, "", False
+            if not local:
+                st = states.get(path)
+                if st is None:
+                    ok, reason = False, f"lfs hsm_state failed: {hsm_errors.get(path, 'no answer')}"
+                else:
+                    released = st.released
+                    if not st.archived:
+                        ok, reason = False, st.why_not_archived()
+            if ok and blobs is not None:
+                b = blobs.get(rel)
+                if b is None:
+                    ok, reason = False, (
+                        f"blob {backend.store.name(rel)} is missing"
+                        + (" although lfs hsm_state says archived" if not local else "")
+                    )
+                elif b.size != size:
+                    ok, reason = False, f"blob {b.name} has {b.size} bytes, expected {size}"
+                elif local:
+                    want = digest if digest is not None else hash_path(path)
+                    if b.xxh3 is None:
+                        ok, reason = False, f"blob {b.name} has no xxh3_128 metadata (upload not finished)"
+                    elif b.xxh3 != want:
+                        ok, reason = False, f"blob {b.name} content hash differs from the local file (changed since export)"
+            proof.files.append(FileProof(path, rel, ok, reason, released))
+        out[c.name] = proof
+    return out

@@ -1,0 +1,175 @@
+"""Restore (rehydrate): make a committed checkpoint readable on the accelerator layer.
+
+The newest committed checkpoint is found by scanning markers on both tiers (no "latest"
+pointer). A checkpoint is committed in Blob when its COMMITTED.json blob parses and every
+file it names has a blob of the right size. The cheapest path wins:
+
+* resident: nothing to do;
+* released (AMLFS): batched `lfs hsm_restore`, then wait until resident;
+* only in the archive: AMLFS import job for the checkpoint's prefix (arm.AmlfsJobs disables
+  auto-export, imports, re-enables it, always), or, locally, a parallel download from Blob.
+
+Sizes are always verified, hashes with --verify. Downloaded data files are written under
+their final names and the marker is written LAST (manifest.write_marker): an interrupted or
+failed restore leaves a directory without a marker, which no scan ever takes as complete.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import manifest as mf
+from .backends import TierBackend
+from .blobstore import BlobStore
+from .config import NodeConfig
+from .errors import IntegrityError, UserError
+from .hashing import hash_path
+from .naming import parse_name, require_name
+from .output import byte_progress
+
+
+@dataclass(frozen=True)
+class Found:
+    manifest: mf.Manifest
+    where: str                # "accelerator" (committed on Lustre/local dir) or "archive"
+
+
+@dataclass
+class RestoreResult:
+    name: str
+    path: str
+    source: str               # resident | released | archive
+    bytes: int
+    seconds: float
+    verified: bool
+    files: int
+    prefetched_files: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "name": self.name, "path": self.path, "source": self.source, "bytes": self.bytes,
+                "seconds": round(self.seconds, 3), "gb_per_s": round(self.gbps, 3), "verified": self.verified,
+                "files": self.files, "prefetched_files": self.prefetched_files}
+
+
+def archive_committed(store: BlobStore, model: str) -> list[mf.Manifest]:
+    """Checkpoints committed in Blob: marker parses, names itself, every file present with its size."""
+    blobs = store.listing(model)
+    out = []
+    for rel in sorted(blobs):
+        parts = rel.split("/")
+        if len(parts) != 3 or parts[2] != mf.MARKER or parse_name(parts[1]) is None:
+            continue
+        data = store.get_bytes(rel)
+        if data is None:
+            continue
+        try:
+            m = mf.Manifest.from_json(data)
+        except ValueError:
+            continue
+        if m.name != parts[1]:
+            continue
+        base = f"{model}/{m.name}/"
+        if all((b := blobs.get(base + f.path)) is not None and b.size == f.size for f in m.files):
+            out.append(m)
+    return sorted(out, key=lambda m: m.id)
+
+
+def committed_anywhere(cfg: NodeConfig, backend: TierBackend) -> dict[str, Found]:
+    """Committed checkpoints by name; the accelerator layer wins where both have one."""
+    found: dict[str, Found] = {}
+    if backend.archive_configured:
+        for m in archive_committed(backend.store, cfg.model):
+            found[m.name] = Found(m, "archive")
+    for c in mf.committed(mf.scan(cfg.root, cfg.model)):
+        assert c.manifest is not None
+        found[c.name] = Found(c.manifest, "accelerator")
+    return found
+
+
+def choose(cfg: NodeConfig, backend: TierBackend, name: str | None) -> Found:
+    found = committed_anywhere(cfg, backend)
+    if name is not None:
+        require_name(name)
+        if name not in found:
+            raise UserError(
+                f"checkpoint {name} of model {cfg.model!r} is not committed on the accelerator layer ({cfg.root}) "
+                f"nor in the archive; `tiered-ckpt status` lists what exists",
+                exit_code=1,
+            )
+        return found[name]
+    if not found:
+        raise UserError(
+            f"no committed checkpoint of model {cfg.model!r} under {cfg.root} or in the archive; nothing to restore",
+            exit_code=1,
+        )
+    return found[max(found, key=lambda n: found[n].manifest.id)]
+
+
+def verify_hashes(ckpt_dir: Path, m: mf.Manifest, workers: int = 4) -> None:
+    def check(f: mf.FileEntry) -> str | None:
+        if f.hash is None:
+            return None
+        got = hash_path(str(ckpt_dir / f.path))
+        return None if got == f.hash else f"{ckpt_dir / f.path}: xxh3-128 {got}, manifest says {f.hash}"
+
+    with ThreadPoolExecutor(max(1, workers)) as ex:
+        bad = [p for p in ex.map(check, m.files) if p]
+    if bad:
+        raise IntegrityError(
+            f"checkpoint {m.name} failed hash verification: {bad[0]}"
+            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            + "; the file differs from what was committed — do not train from it; restore it again from the archive"
+        )
+
+
+def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, verify: bool = False,
+            progress: bool = True, on_bytes: Callable[[int], None] | None = None) -> RestoreResult:
+    """Make checkpoint `name` (or the newest committed anywhere) readable; see the module doc."""
+    root = Path(cfg.root)
+    root.mkdir(parents=True, exist_ok=True)
+    target = choose(cfg, backend, name)
+    m = target.manifest
+    ckpt_dir = mf.model_dir(root, cfg.model) / m.name
+    t0 = time.monotonic()
+
+    if target.where == "accelerator":
+        paths = [str(ckpt_dir / f.path) for f in m.files]
+        prefetched = backend.prefetch(paths)
+        problems = mf.size_problems(ckpt_dir, m)
+        if problems:
+            raise IntegrityError(f"checkpoint {m.name}: {problems[0]}")
+        if verify:
+            verify_hashes(ckpt_dir, m, cfg.archive.concurrency)
+        return RestoreResult(m.name, str(ckpt_dir), "released" if prefetched else "resident", m.total_bytes,
+                             time.monotonic() - t0, verify, len(m.files), prefetched)
+
+    # Only in the archive. A marker left here is stale (the directory is not committed):
+    # remove it before any data arrives so the directory never looks complete too early.
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    stale = ckpt_dir / mf.MARKER
+    if stale.exists():
+        stale.unlink()
+        mf.fsync_dir(ckpt_dir)
+    with byte_progress(f"restore {m.name}", m.total_bytes, enabled=progress) as bar:
+        def advance(n: int) -> None:
+            bar.advance(n)
+            if on_bytes is not None:
+                on_bytes(n)
+
+        backend.rehydrate(m, ckpt_dir, advance)
+    problems = mf.size_problems(ckpt_dir, m)
+    if problems:
+        raise IntegrityError(f"restored checkpoint {m.name} is incomplete: {problems[0]}; re-run restore")
+    if verify:
+        verify_hashes(ckpt_dir, m, cfg.archive.concurrency)
+    if mf.read_marker(ckpt_dir) is None:      # AMLFS imports bring the marker themselves
+        mf.write_marker(ckpt_dir, m)
+    return RestoreResult(m.name, str(ckpt_dir), "archive", m.total_bytes, time.monotonic() - t0, verify, len(m.files))

@@ -1,0 +1,186 @@
+"""`tiered-ckpt status`: where each checkpoint lives, the export backlog, the export job,
+and the accelerator layer's capacity against what retention will keep.
+
+Tier states: resident (on the accelerator layer, archive state unknown), not yet archived,
+archived (resident and proven archived), released (AMLFS: data freed, names kept), only in
+archive (committed in Blob, absent here), in flight (not committed), being deleted.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from . import manifest as mf
+from .backends import TierBackend, make_jobs
+from .errors import UserError
+from .exporter import Exporter, default_status_path, read_status
+from .naming import CheckpointId, parse_name
+from .proof import CheckpointProof, prove
+from .restore import archive_committed
+from .retention import Policy, candidates_from, decide, journaled
+
+
+@dataclass
+class CheckpointStatus:
+    name: str
+    tier: str
+    bytes: int
+    detail: str = ""
+
+
+@dataclass
+class Backlog:
+    files: int = 0
+    bytes: int = 0
+    oldest_age_s: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Capacity:
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    retention_keeps_bytes: int      # what retention will keep on this tier (kept + blocked + in flight)
+    next_checkpoint_bytes: int      # the newest committed checkpoint's size
+    needed_bytes: int               # keeps + one more checkpoint
+    fits: bool
+
+
+@dataclass
+class Status:
+    model: str
+    backend: str
+    root: str
+    checkpoints: list[CheckpointStatus] = field(default_factory=list)
+    backlog: Backlog = field(default_factory=Backlog)
+    export: dict[str, Any] = field(default_factory=dict)
+    capacity: Capacity | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _files_under(d: Path) -> dict[str, os.stat_result]:
+    out: dict[str, os.stat_result] = {}
+    if not d.is_dir():
+        return out
+    for dirpath, dirnames, filenames in os.walk(d):
+        dirnames[:] = [x for x in dirnames if not x.startswith(".")]
+        for n in filenames:
+            if n.startswith("."):
+                continue
+            p = os.path.join(dirpath, n)
+            try:
+                out[p] = os.lstat(p)
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def backlog(backend: TierBackend, model_dir: Path) -> Backlog:
+    """Files under the model directory not yet in the archive (committed or not)."""
+    files = _files_under(model_dir)
+    if not files:
+        return Backlog()
+    pending: list[str] = []
+    hsm = backend.hsm_states(list(files))
+    if hsm is not None:
+        states, errors = hsm
+        pending = [p for p in files if p in errors or not states[p].archived]
+    else:
+        blobs = backend.store.listing(model_dir.name)
+        root = Path(backend.cfg.root)
+        pending = [p for p, st in files.items() if Exporter.changed(st, blobs.get(Path(p).relative_to(root).as_posix()))]
+    now = time.time()
+    oldest = min((files[p].st_mtime for p in pending), default=None)
+    return Backlog(len(pending), sum(files[p].st_size for p in pending), None if oldest is None else round(now - oldest, 1))
+
+
+def export_job(backend: TierBackend, export_status_path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    cfg = backend.cfg
+    if backend.kind == "local":
+        st = read_status(export_status_path or default_status_path(cfg.root))
+        if st is None:
+            return {"job": "local exporter (stand-in for AMLFS auto-export)", "state": "never ran",
+                    "hint": "run `tiered-ckpt export --watch` (or the demo)"}
+        return {"job": st.stand_in, **asdict(st)}
+    try:
+        s = make_jobs(cfg).autoexport_status()
+    except UserError as e:
+        return {"job": "AMLFS auto-export", "state": "unknown", "error": str(e)}
+    d = asdict(s) if hasattr(s, "__dataclass_fields__") else dict(vars(s))
+    return {"job": "AMLFS auto-export", **d}
+
+
+def capacity(root: str, keeps: int, next_bytes: int) -> Capacity:
+    v = os.statvfs(root)
+    total = v.f_blocks * v.f_frsize
+    free = v.f_bavail * v.f_frsize
+    used = total - v.f_bfree * v.f_frsize
+    needed = keeps + next_bytes
+    return Capacity(total, used, free, keeps, next_bytes, needed, needed <= total)
+
+
+def gather(backend: TierBackend, policy: Policy | None = None,
+           export_status_path: str | os.PathLike[str] | None = None) -> Status:
+    cfg = backend.cfg
+    mf.require_root(cfg.root)
+    policy = policy or Policy.from_config(cfg.retention)
+    out = Status(cfg.model, backend.kind, str(cfg.root))
+    infos = mf.scan(cfg.root, cfg.model)
+    proofs: dict[str, CheckpointProof] = {}
+    archive_ok = True
+    try:
+        proofs = prove(backend, infos)
+    except UserError as e:
+        archive_ok = False
+        out.warnings.append(f"archive proof unavailable: {e}")
+    pending = journaled(cfg.root, cfg.model)
+    for c in infos:
+        if not c.committed:
+            tier = "being deleted" if c.name in pending else "in flight"
+            out.checkpoints.append(CheckpointStatus(c.name, tier, 0, "not committed"))
+            continue
+        assert c.manifest is not None
+        p = proofs.get(c.name)
+        if p is None:
+            tier, detail = "resident", "archive state unknown"
+        elif p.released:
+            tier, detail = "released", "data in the archive; names kept (restore: hsm_restore)"
+        elif p.archived:
+            tier, detail = "archived", "resident and proven archived"
+        else:
+            tier, detail = "not yet archived", p.blocked_reason()
+        out.checkpoints.append(CheckpointStatus(c.name, tier, c.manifest.total_bytes, detail))
+    local_names = {c.name for c in infos if c.committed}
+    if archive_ok and backend.archive_configured:
+        try:
+            for m in archive_committed(backend.store, cfg.model):
+                if m.name not in local_names:
+                    out.checkpoints.append(CheckpointStatus(m.name, "only in archive", m.total_bytes,
+                                                            "restore: download (local) / import job (AMLFS)"))
+        except UserError as e:
+            out.warnings.append(f"archive listing unavailable: {e}")
+    out.checkpoints.sort(key=lambda s: parse_name(s.name) or CheckpointId(0, 0))
+    try:
+        out.backlog = backlog(backend, mf.model_dir(cfg.root, cfg.model))
+    except UserError as e:
+        out.backlog = Backlog(note=f"unknown: {e}")
+    out.export = export_job(backend, export_status_path)
+    decisions = decide(candidates_from(infos, proofs, pending), policy, datetime.now(timezone.utc))
+    keeps = sum(d.bytes for d in decisions if d.action not in ("delete", "resume-delete", "release"))
+    done = [c for c in infos if c.committed]
+    next_bytes = done[-1].manifest.total_bytes if done and done[-1].manifest else 0
+    out.capacity = capacity(str(cfg.root), keeps, next_bytes)
+    if not out.capacity.fits:
+        out.warnings.append(
+            f"retention keeps {keeps} bytes and the next checkpoint needs {next_bytes}: more than the "
+            f"accelerator layer's {out.capacity.total_bytes} bytes; lower retention.keep_last or grow the file system"
+        )
+    return out

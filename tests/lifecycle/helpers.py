@@ -1,0 +1,61 @@
+"""Shared helpers for the lifecycle tests: committed checkpoints without the writer, configs,
+the fake lfs environment."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tiered_ckpt import manifest as mf
+from tiered_ckpt.config import ArchiveConfig, AmlfsConfig, NodeConfig, RetentionConfig
+from tiered_ckpt.hashing import new_hasher
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_LFS = REPO / "tests" / "doubles" / "bin" / "lfs"
+
+
+def make_checkpoint(root: str | os.PathLike[str], model: str, epoch: int, step: int,
+                    files: dict[str, bytes] | None = None, *, commit: bool = True,
+                    created_utc: str | None = None) -> Path:
+    """Write data files under their final names, then (if commit) the marker, as the writer does."""
+    files = files if files is not None else {"rank0_shard0.bin": os.urandom(1000 + step % 97), "rank0_shard1.bin": os.urandom(500)}
+    d = Path(root) / model / f"global_epoch{epoch}_step{step}"
+    d.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for rel, data in files.items():
+        p = d / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        h = new_hasher()
+        h.update(data)
+        entries.append(mf.FileEntry(rel, len(data), h.hexdigest()))
+    if commit:
+        m = mf.Manifest(epoch=epoch, step=step, files=entries)
+        if created_utc:
+            m.created_utc = created_utc
+        mf.write_marker(d, m)
+    return d
+
+
+def local_cfg(root: Path, conn: str, container: str, **retention: Any) -> NodeConfig:
+    return NodeConfig(
+        root=str(root), model="m", backend="local",
+        archive=ArchiveConfig(connection_string=conn, container=container, prefix="checkpoints", retries=1, concurrency=4),
+        retention=RetentionConfig(**retention) if retention else RetentionConfig(),
+    )
+
+
+def amlfs_cfg(root: Path, conn: str | None = None, container: str = "c", batch: int = 2000, **retention: Any) -> NodeConfig:
+    return NodeConfig(
+        root=str(root), model="m", backend="amlfs",
+        archive=ArchiveConfig(connection_string=conn, container=container, prefix="checkpoints", retries=1, concurrency=4),
+        amlfs=AmlfsConfig(lfs=str(FAKE_LFS), hsm_batch=batch),
+        retention=RetentionConfig(**retention) if retention else RetentionConfig(),
+    )
+
+
+def lfs_calls(count_file: Path, command: str | None = None) -> int:
+    if not count_file.exists():
+        return 0
+    lines = count_file.read_text().splitlines()
+    return sum(1 for line in lines if command is None or line.split()[1] == command)
