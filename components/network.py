@@ -1,0 +1,86 @@
+"""Network: VNet, AMLFS subnet, compute subnet, NSGs, NAT gateway for outbound."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+from pulumi_azure_native import network
+
+from .settings import Settings
+
+LUSTRE_PORTS = ["988", "1019-1023"]
+
+
+@dataclass
+class NetworkArgs:
+    settings: Settings
+    resource_group_name: pulumi.Input[str]
+
+
+class Network(pulumi.ComponentResource):
+    vnet_id: pulumi.Output[str]
+    amlfs_subnet_id: pulumi.Output[str]
+    compute_subnet_id: pulumi.Output[str]
+
+    def __init__(self, name: str, args: NetworkArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("tiered:network:Network", name, None, opts)
+        s, rg = args.settings, args.resource_group_name
+        child = pulumi.ResourceOptions(parent=self)
+
+        vnet = network.VirtualNetwork(f"{name}-vnet", resource_group_name=rg, location=s.location,
+                                      address_space={"address_prefixes": [s.vnet_cidr]}, opts=child)
+
+        def rule(rname: str, priority: int, direction: str, src: str, dst: str, ports: list[str],
+                 access: str = "Allow", protocol: str = "Tcp") -> dict:
+            return {"name": rname, "priority": priority, "direction": direction, "access": access, "protocol": protocol,
+                    "source_address_prefix": src, "source_port_range": "*",
+                    "destination_address_prefix": dst, "destination_port_ranges": ports}
+
+        amlfs, compute = s.amlfs_subnet_cidr, s.compute_subnet_cidr
+        # Lustre: TCP 988 and 1019-1023, clients <-> servers in both directions (servers call clients back);
+        # SSH (22) between the file system's own nodes inside its subnet (AMLFS prerequisite).
+        amlfs_nsg = network.NetworkSecurityGroup(f"{name}-amlfs-nsg", resource_group_name=rg, location=s.location, security_rules=[
+            rule("lustre-in-from-compute", 100, "Inbound", compute, amlfs, LUSTRE_PORTS),
+            rule("lustre-in-within-amlfs", 110, "Inbound", amlfs, amlfs, LUSTRE_PORTS),
+            rule("ssh-in-within-amlfs", 120, "Inbound", amlfs, amlfs, ["22"]),
+            rule("lustre-out-to-compute", 100, "Outbound", amlfs, compute, LUSTRE_PORTS),
+            rule("lustre-out-within-amlfs", 110, "Outbound", amlfs, amlfs, LUSTRE_PORTS),
+            rule("ssh-out-within-amlfs", 120, "Outbound", amlfs, amlfs, ["22"]),
+        ], opts=child)
+        compute_nsg = network.NetworkSecurityGroup(f"{name}-compute-nsg", resource_group_name=rg, location=s.location, security_rules=[
+            rule("lustre-in-from-amlfs", 100, "Inbound", amlfs, compute, LUSTRE_PORTS),
+            rule("ssh-in-from-admin", 110, "Inbound", s.ssh_source_prefix, compute, ["22"]),
+            rule("cluster-in-within-compute", 120, "Inbound", compute, compute, ["0-65535"], protocol="*"),
+            # Azure's default AllowVnetInBound would let any VNet address SSH in: SSH only from the admin prefix.
+            rule("ssh-in-deny-other", 4000, "Inbound", "*", "*", ["22"], access="Deny"),
+            rule("lustre-out-to-amlfs", 100, "Outbound", compute, amlfs, LUSTRE_PORTS),
+        ], opts=child)
+
+        # New VNets no longer get default outbound access (subnets are private by default), and the nodes
+        # have no public IPs; they still need package mirrors, the AMLFS apt repo, PyPI and Azure
+        # endpoints. A NAT gateway gives the subnet outbound-only connectivity. The file system subnet
+        # needs outbound to the AzureCloud service tag for the same reason, so it shares the gateway.
+        nat_ip = network.PublicIPAddress(f"{name}-nat-ip", resource_group_name=rg, location=s.location,
+                                         sku={"name": "Standard", "tier": "Regional"}, public_ip_allocation_method="Static",
+                                         zones=[s.zone], opts=child)
+        nat = network.NatGateway(f"{name}-nat", resource_group_name=rg, location=s.location, sku={"name": "Standard"},
+                                 zones=[s.zone], public_ip_addresses=[{"id": nat_ip.id}], idle_timeout_in_minutes=10, opts=child)
+
+        # Microsoft.Storage service endpoints: the storage account's firewall denies by default and admits
+        # these two subnets (AMLFS import/export and the nodes' blob reads).
+        amlfs_subnet = network.Subnet(f"{name}-amlfs-subnet", resource_group_name=rg, virtual_network_name=vnet.name,
+                                      address_prefix=amlfs, network_security_group={"id": amlfs_nsg.id},
+                                      nat_gateway={"id": nat.id}, default_outbound_access=False,
+                                      service_endpoints=[{"service": "Microsoft.Storage"}], opts=child)
+        # Subnets of one VNet are written one at a time (ARM rejects concurrent subnet updates).
+        compute_subnet = network.Subnet(f"{name}-compute-subnet", resource_group_name=rg, virtual_network_name=vnet.name,
+                                        address_prefix=compute, network_security_group={"id": compute_nsg.id},
+                                        nat_gateway={"id": nat.id}, default_outbound_access=False,
+                                        service_endpoints=[{"service": "Microsoft.Storage"}],
+                                        opts=pulumi.ResourceOptions(parent=self, depends_on=[amlfs_subnet]))
+
+        self.vnet_id = vnet.id
+        self.amlfs_subnet_id = amlfs_subnet.id
+        self.compute_subnet_id = compute_subnet.id
+        self.register_outputs({"vnet_id": self.vnet_id, "amlfs_subnet_id": self.amlfs_subnet_id,
+                               "compute_subnet_id": self.compute_subnet_id})

@@ -1,0 +1,101 @@
+"""The whole tiered-checkpoint platform: wires the core storage layer, network, accelerator and cluster.
+
+With `computeEnabled: false` only the core storage layer (archive) is registered, so a `pulumi up`
+removes network, file system, auto-export and cluster while the archive stays managed; with it true
+again the file system is created afresh and re-imports the checkpoint prefix from the archive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pulumi
+import pulumi_azuread as azuread
+from pulumi_azure_native import authorization, resources
+
+from . import cloud_init, sizing
+from .accelerator import Accelerator, AcceleratorArgs
+from .cluster import Cluster, ClusterArgs
+from .core_storage import CoreStorage, CoreStorageArgs
+from .network import Network, NetworkArgs
+from .settings import Settings
+
+# appId of "HPC Cache Resource Provider" (same in every tenant; its object ID differs per tenant).
+HPC_CACHE_RP_APP_ID = "4392ab71-2ce2-4b0d-8770-b352745c73f5"
+
+
+@dataclass
+class PlatformArgs:
+    settings: Settings
+    repo_root: Path            # where scripts/tiered_ckpt lives (the toolkit shipped to the nodes)
+    build_dir: Path            # where the toolkit tarball is written
+
+
+class Platform(pulumi.ComponentResource):
+    outputs: dict[str, Any]
+
+    def __init__(self, name: str, args: PlatformArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("tiered:platform:Platform", name, None, opts)
+        s = args.settings
+        invoke = pulumi.InvokeOutputOptions(parent=self)
+        subscription_id = authorization.get_client_config_output(opts=invoke).subscription_id
+        rp_principal_id: pulumi.Input[str] = (
+            s.rp_principal_object_id
+            or azuread.get_service_principal_output(client_id=HPC_CACHE_RP_APP_ID, opts=invoke).object_id)
+        z = sizing.compute(s)
+
+        network: Network | None = None
+        compute_rg: resources.ResourceGroup | None = None
+        if s.compute_enabled:
+            compute_rg = resources.ResourceGroup(f"{name}-compute-rg", resource_group_name=f"{s.base_name}-compute-rg", location=s.location, opts=pulumi.ResourceOptions(parent=self))
+            network = Network(f"{name}-net", NetworkArgs(settings=s, resource_group_name=compute_rg.name),
+                              opts=pulumi.ResourceOptions(parent=self))
+
+        core = CoreStorage(f"{name}-archive", CoreStorageArgs(
+            settings=s, subscription_id=subscription_id, rp_principal_id=rp_principal_id,
+            allowed_subnet_ids=[network.amlfs_subnet_id, network.compute_subnet_id] if network else []),
+            opts=pulumi.ResourceOptions(parent=self))
+
+        out: dict[str, Any] = {
+            "subscriptionId": subscription_id,
+            "storageResourceGroup": core.resource_group_name,
+            "storageAccountName": core.account_name,
+            "storageAccountUrl": core.blob_endpoint,
+            "dataContainer": core.data_container_name,
+            "loggingContainer": core.logging_container_name,
+            "dataContainerId": core.data_container_id,
+            "checkpointPrefix": s.checkpoint_prefix,
+            "computeEnabled": s.compute_enabled,
+            "sizing": z.as_dict(),
+            "computeResourceGroup": None, "amlfsName": None, "autoExportJobName": None, "mgsAddress": None,
+            "mountCommand": None, "provisionedGBps": None, "nodeCount": None,
+        }
+        if s.compute_enabled and network is not None and compute_rg is not None:
+            acc = Accelerator(f"{name}-amlfs", AcceleratorArgs(
+                settings=s, subscription_id=subscription_id, resource_group_name=compute_rg.name,
+                subnet_id=network.amlfs_subnet_id, data_container_id=core.data_container_id,
+                logging_container_id=core.logging_container_id, grants_ready=core.grants_ready),
+                opts=pulumi.ResourceOptions(parent=self))
+            toolkit = cloud_init.build_toolkit(args.repo_root, args.build_dir)
+            cluster = Cluster(f"{name}-gpu", ClusterArgs(
+                settings=s, subscription_id=subscription_id, resource_group_name=compute_rg.name,
+                resource_group_id=compute_rg.id, subnet_id=network.compute_subnet_id,
+                archive_blob_endpoint=core.blob_endpoint, data_container_name=core.data_container_name,
+                data_container_id=core.data_container_id, filesystem_id=acc.filesystem_id,
+                filesystem_name=acc.filesystem_name, autoexport_job_name=acc.autoexport_job_name,
+                mgs_address=acc.mgs_address, provisioned_gbps=acc.provisioned_gbps, toolkit=toolkit),
+                opts=pulumi.ResourceOptions(parent=self))
+            out.update({
+                "computeResourceGroup": compute_rg.name,
+                "amlfsName": acc.filesystem_name,
+                "autoExportJobName": acc.autoexport_job_name,
+                "mgsAddress": acc.mgs_address,
+                "mountCommand": acc.mount_command,
+                "provisionedGBps": acc.provisioned_gbps,
+                "nodeCount": s.node_count,
+                "scaleSetName": cluster.scale_set_name,
+                "nodeIdentityClientId": cluster.identity_client_id,
+            })
+        self.outputs = out
+        self.register_outputs(out)

@@ -1,0 +1,98 @@
+"""Sizing model (pure): bandwidth, commit and archive times, keep-up check, Lustre capacity.
+
+Units: GB = 10^9 bytes (Azure quotes MB/s), GiB/TiB = 2^30/2^40 (AMLFS capacity, checkpoint sizes).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .settings import Settings
+
+GIB = 1 << 30
+TIB = 1 << 40
+
+
+@dataclass(frozen=True)
+class Sizing:
+    provisioned_gbps: float          # AMLFS: capacity x MB/s per TiB
+    nodes_ethernet_gbps: float       # nodes x per-node Ethernet (Lustre runs over TCP)
+    write_gbps: float                # the smaller of the two: what one checkpoint commit sees
+    write_limited_by: str            # "amlfs" | "node ethernet"
+    nodes_to_fill_amlfs: int
+    checkpoint_gib: int
+    commit_seconds: float
+    data_mover_gbps: float
+    archive_seconds: float
+    interval_seconds: int
+    archive_keeps_up: bool
+    resident_checkpoints: int        # newest kept + not yet archived + the one being written
+    resident_tib: float
+    capacity_tib: int
+    capacity_ok: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def compute(s: Settings) -> Sizing:
+    provisioned = s.sku.mbps_per_tib * s.capacity_tib / 1000.0
+    node_gbps = s.node_ethernet_gbps / 8.0
+    nodes_eth = s.node_count * node_gbps
+    write = min(provisioned, nodes_eth) if nodes_eth > 0 else provisioned
+    size_bytes = s.checkpoint_size_gib * GIB
+    commit = size_bytes / (write * 1e9)
+    archive = size_bytes / (s.data_mover_gbps * 1e9)
+    # Checkpoints written while one is still exporting stay un-archived (retention must keep them).
+    backlog = math.ceil(archive / s.checkpoint_interval_seconds)
+    resident = max(s.retention_keep_last, s.retention_min_keep) + backlog + 1
+    resident_tib = resident * size_bytes / TIB
+    return Sizing(
+        provisioned_gbps=provisioned,
+        nodes_ethernet_gbps=nodes_eth,
+        write_gbps=write,
+        write_limited_by="amlfs" if provisioned <= nodes_eth or nodes_eth == 0 else "node ethernet",
+        nodes_to_fill_amlfs=math.ceil(provisioned / node_gbps) if node_gbps else 0,
+        checkpoint_gib=s.checkpoint_size_gib,
+        commit_seconds=commit,
+        data_mover_gbps=s.data_mover_gbps,
+        archive_seconds=archive,
+        interval_seconds=s.checkpoint_interval_seconds,
+        archive_keeps_up=archive <= s.checkpoint_interval_seconds,
+        resident_checkpoints=resident,
+        resident_tib=resident_tib,
+        capacity_tib=s.capacity_tib,
+        capacity_ok=resident_tib <= s.capacity_tib,
+    )
+
+
+def check(s: Settings) -> Sizing:
+    """Refuse settings whose archive cannot keep up or whose retention set does not fit."""
+    from .settings import SettingsError
+
+    z = compute(s)
+    if not z.archive_keeps_up and not s.allow_archive_backlog:
+        raise SettingsError(
+            f"tiered:checkpointIntervalSeconds: {s.checkpoint_interval_seconds} is shorter than the {z.archive_seconds:.0f} s "
+            f"it takes to archive one {s.checkpoint_size_gib} GiB checkpoint at {s.data_mover_gbps:g} GB/s, so the export backlog grows "
+            f"without bound; checkpoint every {math.ceil(z.archive_seconds)} s or more, or set tiered:allowArchiveBacklog true")
+    if not z.capacity_ok:
+        raise SettingsError(
+            f"tiered:capacityTiB: {s.capacity_tib} cannot hold the resident retention set ({z.resident_checkpoints} x "
+            f"{s.checkpoint_size_gib} GiB = {z.resident_tib:.1f} TiB); raise capacityTiB or lower tiered:retentionKeepLast")
+    return z
+
+
+def report(z: Sizing) -> list[tuple[str, str]]:
+    """Human lines for the plan and the stack output."""
+    return [
+        ("provisioned bandwidth", f"{z.provisioned_gbps:g} GB/s"),
+        ("node Ethernet (all nodes)", f"{z.nodes_ethernet_gbps:g} GB/s ({z.nodes_to_fill_amlfs} nodes fill the file system)"),
+        ("checkpoint write rate", f"{z.write_gbps:g} GB/s (limited by {z.write_limited_by})"),
+        ("commit one checkpoint", f"{z.checkpoint_gib} GiB in {z.commit_seconds:.1f} s"),
+        ("archive one checkpoint", f"{z.archive_seconds:.0f} s at {z.data_mover_gbps:g} GB/s"),
+        ("checkpoint interval", f"{z.interval_seconds} s ({'archive keeps up' if z.archive_keeps_up else 'BACKLOG GROWS'})"),
+        ("resident retention set", f"{z.resident_checkpoints} checkpoints = {z.resident_tib:.1f} TiB of {z.capacity_tib} TiB"),
+    ]
