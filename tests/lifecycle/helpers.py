@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_ckpt import manifest as mf
-from tiered_ckpt.config import ArchiveConfig, AmlfsConfig, NodeConfig, RetentionConfig
+from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig
 from tiered_ckpt.hashing import new_hasher
 
 REPO = Path(__file__).resolve().parents[2]
