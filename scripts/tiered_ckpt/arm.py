@@ -528,9 +528,9 @@ class AmlfsJobs:
             )
         return result
 
-    def _cancel_import(self, name: str) -> None:
-        """Best effort: ask the service to cancel an import we stop waiting for, so the next blob
-        job (re-enabling auto-export) is not blocked by it."""
+    def _cancel_import(self, name: str, wait: float = 120.0) -> None:
+        """Best effort: ask the service to cancel an import we stop waiting for, and wait (bounded)
+        until it has stopped, so the next blob job (re-enabling auto-export) is not refused."""
         from azure.mgmt.storagecache.models import ImportJobUpdate, ImportJobUpdateProperties
 
         t = self.target
@@ -542,6 +542,12 @@ class AmlfsJobs:
                 ImportJobUpdate(properties=ImportJobUpdateProperties(admin_status="Cancel")),
                 polling=False,
             )
+            deadline = time.monotonic() + min(wait, self.timeout)
+            while time.monotonic() < deadline:
+                got = self.client.import_jobs.get(t.resource_group, t.filesystem, name)
+                if _import_result(got, name).state not in IMPORT_RUNNING:
+                    return
+                self._sleep(self.poll_interval)
         except Exception:
             pass
 

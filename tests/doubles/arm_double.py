@@ -217,6 +217,7 @@ class ArmDouble:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True   # headers and body go out as separate writes
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -243,7 +244,7 @@ class ArmDouble:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(str(self.ca_cert), str(self._key))
         self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="arm-double", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="arm-double", daemon=True)
         self._thread.start()
         return self
 
