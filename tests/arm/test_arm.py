@@ -121,7 +121,7 @@ def test_enable_sets_admin_status_and_resumes(arm_double, arm_jobs):
 
 def test_import_prefixes_disables_imports_and_reenables_in_order(arm_double, arm_jobs):
     arm_double.scenario.import_blobs = 42
-    seen = []
+    seen: list = []
     r = arm_jobs().import_prefixes([PREFIX], conflict_mode="OverwriteIfDirty", name="restore-1", on_progress=seen.append)
     assert (r.name, r.state, r.blobs_walked, r.blobs_imported, r.errors) == ("restore-1", "Completed", 42, 42, 0)
     assert r.ok and seen[-1].state == "Completed" and seen[0].state == "InProgress"
@@ -169,7 +169,7 @@ def test_autoexport_paused_reenables_after_an_exception_in_the_block(arm_double,
 def test_ctrl_c_while_waiting_for_the_import_cancels_it_then_reenables(arm_double, arm_jobs):
     arm_double.scenario.import_polls = 1000
 
-    seen = []
+    seen: list = []
 
     def interrupt(progress):
         seen.append(progress)
@@ -241,7 +241,7 @@ def test_running_blob_jobs_lists_imports_and_archive(arm_double, arm_jobs):
 
 
 def test_archive_runs_after_disable_and_reports_progress(arm_double, arm_jobs):
-    archived = []
+    archived: list[str] = []
     arm_double.scenario.archive_polls = 3
     arm_double.scenario.archive_hook = archived.append
     jobs = arm_jobs()
@@ -255,7 +255,7 @@ def test_archive_runs_after_disable_and_reports_progress(arm_double, arm_jobs):
     first = jobs.archive_status("/checkpoints")
     assert first.state == "InProgress" and first.percent is not None and first.percent < 100
     assert any(j.startswith("archive /checkpoints (InProgress") for j in jobs.running_blob_jobs())
-    seen = []
+    seen: list = []
     done = jobs.wait_archive("/checkpoints", on_progress=seen.append)
     assert done == ("Completed", 100, None) and archived == ["/checkpoints"]
     assert [p.percent for p in seen] == sorted(p.percent for p in seen)
@@ -287,6 +287,12 @@ def test_transient_503_is_retried_by_the_client(arm_double, arm_jobs):
     assert arm_jobs().autoexport_status().state == "InProgress"
     assert arm_double.kinds("autoexport.get") == ["autoexport.get"] * 3
     assert [r.status for r in arm_double.requests] == [503, 503, 200]
+
+
+def test_transient_503_on_the_disable_patch_is_retried(arm_double, arm_jobs):
+    arm_double.scenario.fail_next("autoexport.patch", 503)
+    assert arm_jobs().disable_autoexport().state == "Disabled"
+    assert [r.status for r in arm_double.requests if r.kind == "autoexport.patch:Disable"] == [503, 202]
 
 
 def test_persistent_5xx_becomes_unavailable(arm_double, arm_jobs):
