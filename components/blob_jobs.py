@@ -12,6 +12,7 @@ lives on the class (static methods) and Azure SDK imports happen inside `create`
 """
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -86,7 +87,7 @@ class WaitForBlobJobsProvider(pulumi.dynamic.ResourceProvider):
         return None  # nothing exists in Azure for this resource
 
 
-class WaitForBlobJobs(pulumi.dynamic.Resource):
+class WaitForBlobJobs(pulumi.dynamic.Resource, module="tiered", name="WaitForBlobJobs"):
     """Completes once the file system has no import/manual-export job running."""
 
     import_states: pulumi.Output[list[str]]
@@ -99,3 +100,20 @@ class WaitForBlobJobs(pulumi.dynamic.Resource):
             {"subscription_id": subscription_id, "resource_group": resource_group, "filesystem": filesystem,
              "filesystem_id": filesystem_id, "timeout_s": timeout_s, "poll_s": poll_s, "import_states": None},
             opts)
+
+
+def _pickle_by_value(cls: type) -> None:
+    """Make dill serialize `cls` by value into the Pulumi state.
+
+    dill pickles importable classes by reference; the dynamic provider host then has to import
+    `components.blob_jobs`, which works only if it happens to start in the project directory.
+    Marking the class and its functions as `__main__` members (not found there) makes dill embed them.
+    """
+    cls.__module__ = "__main__"
+    for value in vars(cls).values():
+        func = getattr(value, "__func__", value)
+        if inspect.isfunction(func):
+            func.__module__ = "__main__"
+
+
+_pickle_by_value(WaitForBlobJobsProvider)

@@ -27,6 +27,7 @@ MOCK_TENANT = "00000000-0000-0000-0000-0000000000bb"
 MOCK_RP_OBJECT_ID = "00000000-0000-0000-0000-0000000000cc"
 MOCK_MGS = "10.42.0.4"
 # Used by the offline preview only when the stack has no sshPublicKey (it is per operator); flagged in the output.
+WAIT_TYPE = "pulumi-python:dynamic/tiered:WaitForBlobJobs"
 PREVIEW_SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPreviewOnlyPlaceholderNotARealKeyxxxxxxxxxx preview-placeholder"
 
 
@@ -176,7 +177,7 @@ def _mock_state(typ: str, logical: str, inputs: dict[str, Any]) -> tuple[str, di
         ident["userAssignedIdentities"] = {i: {"clientId": _guid(i, "client"), "principalId": _guid(i, "principal")}
                                            for i in ident.get("userAssignedIdentities") or []}
         state["identity"] = ident
-    elif typ == "pulumi-python:dynamic:Resource":
+    elif typ == WAIT_TYPE:
         state["import_states"] = ["Completed"]
     return _arm_id(typ, name, inputs), state
 

@@ -92,7 +92,7 @@ def report(z: Sizing) -> list[tuple[str, str]]:
         ("node Ethernet (all nodes)", f"{z.nodes_ethernet_gbps:g} GB/s ({z.nodes_to_fill_amlfs} nodes fill the file system)"),
         ("checkpoint write rate", f"{z.write_gbps:g} GB/s (limited by {z.write_limited_by})"),
         ("commit one checkpoint", f"{z.checkpoint_gib} GiB in {z.commit_seconds:.1f} s"),
-        ("archive one checkpoint", f"{z.archive_seconds:.0f} s at {z.data_mover_gbps:g} GB/s"),
+        ("archive one checkpoint", f"{z.archive_seconds:.1f} s at {z.data_mover_gbps:g} GB/s"),
         ("checkpoint interval", f"{z.interval_seconds} s ({'archive keeps up' if z.archive_keeps_up else 'BACKLOG GROWS'})"),
         ("resident retention set", f"{z.resident_checkpoints} checkpoints = {z.resident_tib:.1f} TiB of {z.capacity_tib} TiB"),
     ]
