@@ -502,7 +502,11 @@ class Save:
                 self._note_failure(str(err))
             raise err
         if self.file_mode and stage == "writing" and self.comm.rank == 0:
-            self._wait_for_parts()
+            try:
+                self._wait_for_parts()
+            except UserError as e:
+                self._note_failure(str(e))
+                raise
 
     def _wait_for_parts(self) -> None:
         deadline = time.monotonic() + self.opts.barrier_timeout
@@ -561,13 +565,14 @@ class Save:
                 self._note_failure(str(err))
             raise err
         if self.file_mode and self.comm.rank != 0:
-            deadline = time.monotonic() + self.opts.barrier_timeout
+            # Rank 0 itself waits up to barrier_timeout for the slowest rank, then commits or fails.
+            deadline = time.monotonic() + 2 * self.opts.barrier_timeout + 5
             while mf.read_marker(self.dir) is None:
                 failed = _read_json(self.dir / FAILED.format(rank=0))
                 if failed is not None and failed.get("save_id") == self.save_id:
                     raise UserError(f"rank 0 could not commit {self.cid.name}: {failed.get('error')}")
                 if time.monotonic() > deadline:
-                    raise UserError(f"rank 0 did not commit {self.cid.name} within {self.opts.barrier_timeout:.0f} s; "
+                    raise UserError(f"rank 0 did not commit {self.cid.name} within {2 * self.opts.barrier_timeout + 5:.0f} s; "
                                     "it is not committed")
                 time.sleep(0.02)
 
