@@ -385,8 +385,10 @@ class AmlfsJobs:
         try:
             status = self.disable_autoexport(timeout)
         except BaseException as first:
-            # A disable that half-happened (DisableFailed, timeout, Ctrl-C) must not leave export off.
-            self._reenable_after(first)
+            # A disable that half-happened (DisableFailed, timeout, Ctrl-C) must not leave export
+            # off; one that ARM refused outright (403, 404) changed nothing and needs no undo.
+            if self._needs_reenable():
+                self._reenable_after(first)
             raise
         failure: BaseException | None = None
         try:
@@ -396,6 +398,12 @@ class AmlfsJobs:
             raise
         finally:
             self._reenable_after(failure)
+
+    def _needs_reenable(self) -> bool:
+        try:
+            return self.autoexport_status().admin_status != "Enable"
+        except UserError:
+            return True
 
     def _reenable_after(self, failure: BaseException | None) -> None:
         t = self.target

@@ -2,6 +2,8 @@
 local ARM double (tests/doubles/arm_double.py)."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from datetime import datetime, timezone
 
@@ -182,6 +184,31 @@ def test_ctrl_c_while_waiting_for_the_import_cancels_it_then_reenables(arm_doubl
     assert kinds.index("import.patch") < kinds.index("autoexport.patch:Enable")
     assert arm_double.import_jobs()["restore-3"]["properties"]["status"]["state"] == "Canceled"
     assert arm_double.scenario.autoexport_admin == "Enable"
+
+
+def test_second_ctrl_c_during_reenable_waits_for_it(arm_double, arm_jobs):
+    jobs = arm_jobs()
+    real = jobs._set_admin_status
+
+    def ctrl_c_then_patch(value):
+        if value == "Enable":
+            os.kill(os.getpid(), signal.SIGINT)   # the operator presses Ctrl-C again
+        real(value)
+
+    jobs._set_admin_status = ctrl_c_then_patch
+    with pytest.raises(KeyboardInterrupt):
+        with jobs.autoexport_paused():
+            pass
+    assert patches(arm_double) == ["autoexport.patch:Disable", "autoexport.patch:Enable"]
+    assert arm_double.scenario.autoexport_admin == "Enable"
+
+
+def test_refused_disable_is_not_reported_as_left_disabled(arm_double, arm_jobs):
+    arm_double.scenario.deny.add("autoexport.patch")
+    with pytest.raises(ArmPermissionError):
+        arm_jobs().import_prefixes([PREFIX])
+    assert patches(arm_double) == ["autoexport.patch:Disable"]
+    assert "import.put" not in arm_double.kinds()
 
 
 def test_disable_failed_creates_no_import_and_leaves_autoexport_enabled(arm_double, arm_jobs):
