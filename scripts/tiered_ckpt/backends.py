@@ -150,13 +150,8 @@ class AmlfsBackend(TierBackend):
 
 
 def make_jobs(cfg: NodeConfig) -> ImportJobs:
-    a = cfg.amlfs
-    if not (a.subscription_id and a.resource_group and a.filesystem):
-        raise ConfigError(
-            "restoring a deleted checkpoint on AMLFS needs an import job: set amlfs.subscription_id, "
-            "amlfs.resource_group and amlfs.filesystem in the node config (cloud-init writes them)"
-        )
-    from . import arm  # helper C1's ARM client (azure-mgmt-storagecache)
+    """helper C1's ARM client (azure-mgmt-storagecache); ConfigError names any missing amlfs.* setting."""
+    from . import arm
 
     return arm.AmlfsJobs.from_config(cfg)
 

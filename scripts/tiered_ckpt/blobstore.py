@@ -130,7 +130,8 @@ class BlobStore:
             except HttpResponseError as e:
                 status = getattr(e, "status_code", None) or 0
                 if status and status < 500 and status not in (408, 429):
-                    raise
+                    msg = str(getattr(e, "message", "") or e).splitlines()[0][:300]
+                    raise UserError(f"the archive {self.where} refused {what}: {msg} (HTTP {status})", exit_code=1) from None
                 last: Exception = e
             except (AzureError, OSError) as e:
                 last = e
