@@ -157,10 +157,14 @@ def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
         print_json({"root": str(root), "model": cfg.model, "checkpoints": rows})
         return EXIT_OK
     print_table(f"{root / cfg.model}", ["name", "epoch", "step", "committed", "bytes", "files"],
-                [[r["name"] + (" (latest)" if r["latest"] else ""), r["epoch"], r["step"],
-                  "yes" if r["committed"] else "NO (incomplete)", human_bytes(r["bytes"]), r["files"]] for r in rows])
+                [[r["name"], r["epoch"], r["step"], "yes" if r["committed"] else "NO",
+                  human_bytes(r["bytes"]), r["files"]] for r in rows])
     if not rows:
-        stdout.print(f"no checkpoints under {root / cfg.model}")
+        stdout.print(f"no checkpoints under {root / cfg.model}", highlight=False)
+    elif latest is not None:
+        stdout.print(f"latest committed: {latest.name}", highlight=False)
+    if any(not r["committed"] for r in rows):
+        stdout.print("committed NO: a save in progress or one that never finished (no valid COMMITTED.json)", highlight=False)
     return EXIT_OK
 
 
