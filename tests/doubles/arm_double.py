@@ -668,3 +668,50 @@ def _action(kind: str) -> str:
         "import.patch": f"{base}/importJobs/write",
         "import.delete": f"{base}/importJobs/delete",
     }.get(kind, f"{base}/read")
+
+
+# -- what the service does with the data: optional hooks that move bytes between a local "mount"
+# directory (standing in for /lustrefs) and a Blob container (Azurite), with AMLFS's name mapping:
+# blob <p> <-> <mount>/<p>.
+
+
+def blob_import_hook(connection_string: str, container: str, mount: Path) -> Callable[[list[str], str], tuple[int, int, int]]:
+    """scenario.import_hook that copies the blobs under each import prefix to <mount>/<blob name>.
+
+    Skip keeps an existing file; Fail counts it as an error; OverwriteIfDirty and OverwriteAlways
+    replace it (no HSM dirty state here). Returns (walked, imported, errors) for the job status."""
+    from azure.storage.blob import ContainerClient
+
+    def hook(prefixes: list[str], mode: str) -> tuple[int, int, int]:
+        cc = ContainerClient.from_connection_string(connection_string, container)
+        walked = imported = errors = 0
+        for prefix in prefixes:
+            for blob in cc.list_blobs(name_starts_with=prefix.lstrip("/")):
+                walked += 1
+                dest = mount / blob.name
+                if dest.exists() and mode in ("Skip", "Fail"):
+                    errors += mode == "Fail"
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(dest.name + ".importing")
+                with open(tmp, "wb") as f:
+                    cc.download_blob(blob.name).readinto(f)
+                tmp.replace(dest)
+                imported += 1
+        return walked, imported, errors
+
+    return hook
+
+
+def blob_archive_hook(connection_string: str, container: str, mount: Path) -> Callable[[str], None]:
+    """scenario.archive_hook that uploads every file under <mount>/<filesystemPath> to its blob name."""
+    from azure.storage.blob import ContainerClient
+
+    def hook(filesystem_path: str) -> None:
+        cc = ContainerClient.from_connection_string(connection_string, container)
+        base = mount / filesystem_path.lstrip("/")
+        for path in sorted(p for p in base.rglob("*") if p.is_file()):
+            with open(path, "rb") as f:
+                cc.upload_blob(path.relative_to(mount).as_posix(), f, overwrite=True)
+
+    return hook
