@@ -1,0 +1,86 @@
+"""WaitForBlobJobs: the polling decision (pure) and its survival in the Pulumi state."""
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pulumi.dynamic.dynamic import serialize_provider
+
+from components.blob_jobs import WaitForBlobJobsProvider as P
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+def seq(*steps: tuple[list[str | None], list[str | None]]):  # type: ignore[no-untyped-def]
+    it = iter(steps)
+    return lambda: next(it)
+
+
+@pytest.mark.parametrize(("imports", "archives", "busy"), [
+    ([], [], []),
+    (["Completed", "CompletedPartial", "Failed", "Canceled"], ["Completed", "Idle", "NotConfigured"], []),
+    (["InProgress"], [], ["import job InProgress"]),
+    (["Completed", "Cancelling"], [], ["import job Cancelling"]),
+    ([], ["InProgress"], ["archive InProgress"]),
+    ([], ["FSScanInProgress"], ["archive FSScanInProgress"]),
+    ([None], [None], []),
+])
+def test_busy_decision(imports: list[str | None], archives: list[str | None], busy: list[str]) -> None:
+    assert P.busy(imports, archives) == busy
+
+
+def test_waits_while_the_creation_import_runs_then_needs_two_idle_looks() -> None:
+    clock = FakeClock()
+    probe = seq((["InProgress"], []), (["InProgress"], []), (["Completed"], ["Idle"]), (["Completed"], ["Idle"]))
+    out = P.wait_idle(probe, timeout_s=3600, poll_s=30, clock=clock, sleep=clock.sleep)
+    assert out["probes"] == 4 and clock.sleeps == [30, 30, 30] and out["import_states"] == ["Completed"]
+
+
+def test_a_job_appearing_after_one_idle_look_resets_the_count() -> None:
+    # The creation-time import may be listed only after the file system reports success.
+    clock = FakeClock()
+    probe = seq(([], []), (["InProgress"], []), ([], []), (["Completed"], []))
+    out = P.wait_idle(probe, timeout_s=3600, poll_s=10, clock=clock, sleep=clock.sleep)
+    assert out["probes"] == 4
+
+
+def test_times_out_naming_what_still_runs() -> None:
+    clock = FakeClock()
+    with pytest.raises(TimeoutError, match=r"still running after 60 s: import job InProgress.*tiered:blobJobWaitMinutes"):
+        P.wait_idle(lambda: (["InProgress"], []), timeout_s=60, poll_s=30, clock=clock, sleep=clock.sleep)
+    assert clock.now == 60
+
+
+def test_diff_replaces_only_for_a_different_file_system() -> None:
+    old = {"subscription_id": "s", "resource_group": "rg", "filesystem": "fs", "filesystem_id": "/x/fs", "timeout_s": 60}
+    assert not P().diff("id", old, {**old, "timeout_s": 120}).changes
+    d = P().diff("id", old, {**old, "filesystem_id": "/x/fs2"})
+    assert d.changes and d.replaces == ["filesystem_id"]
+
+
+def test_provider_deserializes_without_the_project_on_the_path(tmp_path: Path) -> None:
+    # The dynamic provider host loads the provider from the state; it must not need `components` importable.
+    blob = serialize_provider(P())
+    code = ("import base64, dill, sys; p = dill.loads(base64.b64decode(sys.stdin.read())); "
+            "print(p.busy(['InProgress'], []), type(p).__name__)")
+    r = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, text=True, cwd=tmp_path,
+                       env={"PATH": "/usr/bin:/bin"}, timeout=50)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['import job InProgress'] WaitForBlobJobsProvider"
+    assert base64.b64decode(blob)

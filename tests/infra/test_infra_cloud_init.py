@@ -1,0 +1,133 @@
+"""GPU node custom data: cloud-init's own schema check, Azure's size limit, no secret, the toolkit's own config."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+from tiered_ckpt import config as node_config
+
+from components import cloud_init, mockrun
+
+from .conftest import Plan
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
+
+SECRET_PATTERNS = [
+    r"AccountKey=", r"SharedAccessSignature", r"[?&]sig=", r"\bsv=\d{4}-\d{2}-\d{2}&", r"-----BEGIN [A-Z ]*PRIVATE KEY-----",
+    r"DefaultEndpointsProtocol=", r"client_secret", r"password\s*[:=]", r"BlobEndpoint=",
+]
+
+
+def custom_data(p: mockrun.PlanResult) -> bytes:
+    vmss = p.one("azure-native:compute:VirtualMachineScaleSet")
+    return base64.b64decode(vmss.inputs["virtualMachineProfile"]["osProfile"]["customData"])
+
+
+def schema_check(text: bytes, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("cloud-init")
+    assert exe, "cloud-init is not installed (make install puts it there: apt-get install cloud-init)"
+    f = tmp_path / "user-data.yaml"
+    f.write_bytes(text)
+    return subprocess.run([exe, "schema", "--config-file", str(f)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("stack", ["prod", "dev"])
+def test_custom_data_passes_cloud_init_schema_size_and_secret_checks(plan: Plan, stack: str, tmp_path: Path) -> None:
+    raw = custom_data(plan(stack))
+    r = schema_check(raw, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Valid cloud-config" in r.stdout
+    assert len(raw) <= cloud_init.CUSTOM_DATA_LIMIT
+    text = raw.decode()
+    for pat in SECRET_PATTERNS:
+        assert not re.search(pat, text, re.IGNORECASE), pat
+
+
+def test_schema_check_catches_a_broken_document(tmp_path: Path) -> None:
+    # The check above is only worth something if cloud-init rejects bad documents in this environment.
+    r = schema_check(b"#cloud-config\npackages: 5\nruncmd: {a: 1}\n", tmp_path)
+    assert r.returncode != 0 and "packages" in r.stdout + r.stderr
+
+
+def test_custom_data_mounts_amlfs_installs_toolkit_and_timer(plan: Plan) -> None:
+    p = plan("prod")
+    doc = yaml.safe_load(custom_data(p))
+    files = {f["path"]: f for f in doc["write_files"]}
+    boot = files["/usr/local/sbin/tiered-ckpt-bootstrap"]["content"]
+    assert f"{mockrun.MOCK_MGS}@tcp:/lustrefs /lustrefs lustre _netdev,noatime,flock 0 0" in boot
+    assert "apt-mark hold" in boot and "modinfo lustre" in boot and '"$pkg=$(uname -r)"' in boot
+    assert doc["runcmd"] == [["/usr/local/sbin/tiered-ckpt-bootstrap"]]
+    # Toolkit: fetched with the node's managed identity via IMDS, verified by sha256 before install.
+    uami = p.one("azure-native:managedidentity:UserAssignedIdentity")
+    blob = p.one("azure-native:storage:Blob")
+    tools = p.one("azure-native:storage:StorageAccount", "tools")
+    assert f"client_id={uami.state['clientId']}" in boot and "169.254.169.254/metadata/identity/oauth2/token" in boot
+    assert f"https://{tools.state['name']}.blob.core.windows.net/tools/{blob.inputs['blobName']}" in boot
+    sha = re.search(r'echo "([0-9a-f]{64})  \$tarball" \| sha256sum -c', boot)
+    uploaded = Path(blob.inputs["source"].path).read_bytes()       # the FileAsset the blob is created from
+    assert sha and sha.group(1) == hashlib.sha256(uploaded).hexdigest()
+    assert "/opt/tiered-ckpt/bin/pip install" in boot
+    service = files["/etc/systemd/system/tiered-ckpt-retention.service"]["content"]
+    assert "ExecStart=/opt/tiered-ckpt/bin/tiered-ckpt retention apply --json" in service
+    assert "OnCalendar=*:0/15" in files["/etc/systemd/system/tiered-ckpt-retention.timer"]["content"]
+    assert "systemctl enable --now tiered-ckpt-retention.timer" in boot
+
+
+def test_node_config_is_the_toolkits_own_schema_with_deployment_values(plan: Plan, tmp_path: Path) -> None:
+    p = plan("prod")
+    doc = yaml.safe_load(custom_data(p))
+    content = next(f["content"] for f in doc["write_files"] if f["path"] == "/etc/tiered-ckpt/config.yaml")
+    path = tmp_path / "config.yaml"
+    path.write_text(content)
+    cfg = node_config.load(str(path))        # the toolkit's own loader and validation
+    o = p.outputs
+    assert cfg.root == "/lustrefs/checkpoints" and cfg.backend == "amlfs" and cfg.nodes == 8
+    assert cfg.archive.account_url == o["storageAccountUrl"].rstrip("/")
+    assert cfg.archive.container == o["dataContainer"] and cfg.archive.prefix == "checkpoints"
+    assert cfg.archive.connection_string is None
+    assert cfg.archive.managed_identity_client_id == p.one("azure-native:managedidentity:UserAssignedIdentity").state["clientId"]
+    assert (cfg.amlfs.subscription_id, cfg.amlfs.resource_group, cfg.amlfs.filesystem, cfg.amlfs.autoexport_job) == (
+        o["subscriptionId"], o["computeResourceGroup"], o["amlfsName"], o["autoExportJobName"])
+    assert cfg.amlfs.provisioned_gbps == 64.0 and cfg.amlfs.mount == "/lustrefs"
+    assert (cfg.retention.keep_last, cfg.retention.min_keep, cfg.retention.action) == (3, 2, "release")
+
+
+def _inputs(**over: object) -> cloud_init.NodeInputs:
+    base = dict(mgs_address="10.42.0.4", account_url="https://a.blob.core.windows.net", data_container="checkpoints",
+                blob_prefix="checkpoints", lustre_root="/lustrefs/checkpoints", model="llama3-70b", nodes=100,
+                identity_client_id="00000000-0000-0000-0000-000000000001", subscription_id="s" * 36,
+                resource_group="r" * 90, filesystem="f" * 80, autoexport_job="j" * 80, provisioned_gbps=384.0,
+                keep_last=10, keep_every_steps=1000, min_keep=5, action="release", schedule="*:0/15",
+                tools_url="https://t.blob.core.windows.net/tools/" + "x" * 200, tools_sha256="a" * 64)
+    base.update(over)
+    return cloud_init.NodeInputs(**base)  # type: ignore[arg-type]
+
+
+def test_custom_data_size_does_not_grow_with_the_toolkit(tmp_path: Path) -> None:
+    # The toolkit travels as a blob, so the custom data stays small whatever the toolkit's size;
+    # long names everywhere still leave it far below Azure's 64 KiB.
+    text = cloud_init.render(_inputs())
+    assert len(text.encode()) < cloud_init.CUSTOM_DATA_LIMIT // 4
+    assert schema_check(text.encode(), tmp_path).returncode == 0
+    with pytest.raises(ValueError, match="above Azure's 65535-byte limit"):
+        cloud_init.encode("#cloud-config\n" + "#" * 70000)
+
+
+def test_toolkit_tarball_is_deterministic_and_installable(tmp_path: Path) -> None:
+    a = cloud_init.build_toolkit(ROOT, tmp_path / "a")
+    b = cloud_init.build_toolkit(ROOT, tmp_path / "b")
+    assert a.sha256 == b.sha256 and a.path.read_bytes() == b.path.read_bytes()
+    assert a.blob_name == f"tiered-ckpt-{a.sha256[:16]}.tar.gz"
+    with tarfile.open(a.path) as tar:
+        names = tar.getnames()
+        assert "pyproject.toml" in names and "scripts/tiered_ckpt/cli.py" in names and "scripts/tiered_ckpt/config.py" in names
+        assert not any("__pycache__" in n for n in names)
+        assert all(m.mtime == 0 and m.uid == 0 for m in tar.getmembers())
