@@ -57,6 +57,7 @@ class PlanResult:
     resources: list[Res]
     outputs: dict[str, Any]
     notes: list[str]
+    invokes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def of_type(self, token: str) -> list[Res]:
         return [r for r in self.resources if r.type == token]
@@ -182,7 +183,8 @@ def _mock_state(typ: str, logical: str, inputs: dict[str, Any]) -> tuple[str, di
     return _arm_id(typ, name, inputs), state
 
 
-def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str]) -> tuple[list[Res], dict[str, Any]]:
+def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str],
+                          invokes: list[tuple[str, dict[str, Any]]]) -> tuple[list[Res], dict[str, Any]]:
     import pulumi
     from pulumi.runtime import mocks, settings
     from pulumi.runtime.config import set_all_config
@@ -200,6 +202,7 @@ def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str]) -> tup
             return rid, state
 
         def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict, list[tuple[str, str]]]:
+            invokes.append((args.token, dict(args.args)))
             if args.token == "azure-native:authorization:getClientConfig":
                 return {"subscriptionId": MOCK_SUBSCRIPTION, "tenantId": MOCK_TENANT,
                         "clientId": _guid("operator"), "objectId": _guid("operator-oid")}, []
@@ -254,8 +257,9 @@ def run(stack: str, overrides: Mapping[str, str] | None = None, *, main: Path = 
         config[f"{ns}:sshPublicKey"] = PREVIEW_SSH_KEY
         notes.append(f"{ns}:sshPublicKey is not set for this stack; the preview used a placeholder. "
                      f"`pulumi up` needs yours: pulumi config set {ns}:sshPublicKey \"$(cat ~/.ssh/id_ed25519.pub)\"")
+    invokes: list[tuple[str, dict[str, Any]]] = []
     try:
-        resources, outputs = contextvars.Context().run(_run_in_fresh_context, main, stack, config)
+        resources, outputs = contextvars.Context().run(_run_in_fresh_context, main, stack, config, invokes)
     except pulumi.RunError as err:
         raise PlanError(str(err)) from None
-    return PlanResult(stack=stack, config=config, resources=resources, outputs=outputs, notes=notes)
+    return PlanResult(stack=stack, config=config, resources=resources, outputs=outputs, notes=notes, invokes=invokes)

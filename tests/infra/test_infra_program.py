@@ -113,6 +113,8 @@ def test_rp_roles_on_the_account_then_a_wait_before_the_file_system(plan: Plan, 
     for g in grants:
         assert g.inputs["scope"] == acct.id                     # the account, not the group or subscription
         assert g.inputs["principalId"] == mockrun.MOCK_RP_OBJECT_ID and g.inputs["principalType"] == "ServicePrincipal"
+    # The object ID comes from Entra ID by the provider's well-known appId (it differs per tenant).
+    assert ("azuread:index/getServicePrincipal:getServicePrincipal", {"clientId": "4392ab71-2ce2-4b0d-8770-b352745c73f5"}) in p.invokes
     sleep = p.one("time:index/sleep:Sleep")
     assert sleep.inputs["createDuration"] == "5m"
     fs = p.one(T + "storagecache:AmlFilesystem")
@@ -124,6 +126,7 @@ def test_rp_object_id_and_wait_are_overridable(plan: Plan) -> None:
     oid = "11111111-2222-3333-4444-555555555555"
     p = plan("dev", rpPrincipalObjectId=oid, roleWaitDuration="90s")
     assert {g.inputs["principalId"] for g in p.of_type(T + "authorization:RoleAssignment") if "-rp-" in g.name} == {oid}
+    assert not any(tok.startswith("azuread:") for tok, _ in p.invokes)
     assert p.one("time:index/sleep:Sleep").inputs["createDuration"] == "90s"
 
 
