@@ -19,7 +19,8 @@ from rich.progress import (
 from rich.table import Table
 
 stderr = Console(stderr=True)
-stdout = Console()
+# Reports stay readable when piped (rich would fall back to 80 columns).
+stdout = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def print_json(data: Any) -> None:

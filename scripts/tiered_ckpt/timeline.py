@@ -55,11 +55,11 @@ class Timeline:
         names = self.checkpoints()
         lane = {n: i for i, n in enumerate(names)}
         colors = {WRITE: "#1f77b4", ARCHIVE: "#2ca02c", RESTORE: "#9467bd"}
-        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * max(1, len(names))))
+        fig, ax = plt.subplots(figsize=(10, 2.0 + 0.45 * max(1, len(names))))
         for ev in self.events:
             if ev.kind == LOSS:
                 ax.axvline(ev.start, color="#d62728", linestyle="--", linewidth=1.5)
-                ax.text(ev.start, len(names) - 0.4, " accelerator layer lost", color="#d62728", fontsize=8, va="bottom")
+                ax.text(ev.start, -0.55, " accelerator layer lost", color="#d62728", fontsize=8, va="bottom")
                 continue
             if ev.checkpoint is None:
                 continue
@@ -71,7 +71,8 @@ class Timeline:
             ax.barh(y, max(end - ev.start, 0.02), left=ev.start, height=0.5 if ev.kind != ARCHIVE else 0.25,
                     color=colors.get(ev.kind, "grey"), alpha=0.9)
         ax.set_yticks(range(len(names)), names, fontsize=8)
-        ax.invert_yaxis()
+        ax.set_ylim(len(names) - 0.5, -0.9)   # first checkpoint on top, room for the loss label
+        ax.set_xlim(left=0)
         ax.set_xlabel("seconds since start")
         ax.set_title(title)
         ax.legend(handles=[Patch(color=colors[WRITE], label="write + commit"),
@@ -79,7 +80,7 @@ class Timeline:
                            Patch(color=colors[RESTORE], label="restore from Blob"),
                            Patch(color="#ff7f0e", label="retention removed (x)"),
                            Patch(color="#d62728", label="loss of the accelerator layer")],
-                  fontsize=7, loc="lower right")
+                  fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, frameon=False)
         ax.grid(axis="x", alpha=0.3)
         fig.tight_layout()
         out = Path(path)
