@@ -51,6 +51,10 @@ class TierBackend(ABC):
 
     def rel(self, path: str | Path) -> str:
         """A path on the accelerator layer relative to the checkpoint root ('/'-separated)."""
+        p = str(path)
+        base = str(self.cfg.root).rstrip("/") + "/"
+        if p.startswith(base):        # string slicing: this runs once per file of every proof
+            return p[len(base):]
         return Path(path).relative_to(self.cfg.root).as_posix()
 
     @abstractmethod

@@ -133,7 +133,8 @@ class BlobStore:
                     msg = str(getattr(e, "message", "") or e).splitlines()[0][:300]
                     raise UserError(f"the archive {self.where} refused {what}: {msg} (HTTP {status})", exit_code=1) from None
                 last: Exception = e
-            except (AzureError, OSError) as e:
+            except (AzureError, ConnectionError, TimeoutError) as e:
+                # Local file errors (FileNotFoundError, ...) are not the archive's: they propagate.
                 last = e
             if i + 1 < attempts:
                 time.sleep(delay)

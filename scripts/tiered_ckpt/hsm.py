@@ -17,8 +17,10 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import UnavailableError, UserError
@@ -117,11 +119,13 @@ def chunks(items: Sequence[str], size: int) -> Iterator[Sequence[str]]:
 class Lfs:
     """Batched `lfs hsm_*` calls. `processes` counts the lfs processes started."""
 
-    def __init__(self, binary: str = "lfs", batch: int = 2000, timeout: float = 600.0) -> None:
+    def __init__(self, binary: str = "lfs", batch: int = 2000, timeout: float = 600.0, parallel: int = 4) -> None:
         self.binary = binary
         self.batch = max(1, batch)
         self.timeout = timeout
+        self.parallel = max(1, parallel)
         self.processes = 0
+        self._count_lock = threading.Lock()
 
     def _exe(self) -> str:
         found = self.binary if os.sep in self.binary else shutil.which(self.binary)
@@ -133,7 +137,8 @@ class Lfs:
         return found
 
     def _run(self, args: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        self.processes += 1
+        with self._count_lock:
+            self.processes += 1
         try:
             return subprocess.run(
                 [self._exe(), *args], capture_output=True, text=True, timeout=self.timeout,
@@ -145,27 +150,42 @@ class Lfs:
             ) from None
 
     def states(self, paths: Sequence[str]) -> tuple[dict[str, HsmState], dict[str, str]]:
-        """(states by path, errors by path): at most ceil(n/batch) processes when all files exist."""
+        """(states by path, errors by path): at most ceil(n/batch) processes when all files exist.
+
+        Batches run `parallel` at a time: the cost of an lfs call is mostly process start-up
+        and metadata round trips, not CPU.
+        """
         states: dict[str, HsmState] = {}
         errors: dict[str, str] = {}
-        for batch in chunks(list(paths), self.batch):
-            todo = list(batch)
-            while todo:
-                r = self._run(["hsm_state", *todo])
-                got = parse_batch(todo, r.stdout)
-                for s in got:
-                    states[s.path] = s
-                todo = todo[len(got):]
-                if not todo:
-                    break
-                if r.returncode == 0:
-                    raise UnavailableError(
-                        f"`lfs hsm_state` printed output this tool cannot parse near {todo[0]!r}: "
-                        f"{r.stdout[:200]!r}; report the Lustre client version (lfs --version)"
-                    )
-                # lfs stops at the first file it cannot stat; note it and ask about the rest.
-                errors[todo[0]] = (r.stderr.strip().splitlines() or [f"lfs exit {r.returncode}"])[-1]
-                todo = todo[1:]
+        batches = [list(b) for b in chunks(list(paths), self.batch)]
+        if not batches:
+            return states, errors
+        with ThreadPoolExecutor(max(1, min(self.parallel, len(batches)))) as ex:
+            for got, errs in ex.map(self._states_batch, batches):
+                states.update(got)
+                errors.update(errs)
+        return states, errors
+
+    def _states_batch(self, batch: list[str]) -> tuple[dict[str, HsmState], dict[str, str]]:
+        states: dict[str, HsmState] = {}
+        errors: dict[str, str] = {}
+        todo = batch
+        while todo:
+            r = self._run(["hsm_state", *todo])
+            got = parse_batch(todo, r.stdout)
+            for s in got:
+                states[s.path] = s
+            todo = todo[len(got):]
+            if not todo:
+                break
+            if r.returncode == 0:
+                raise UnavailableError(
+                    f"`lfs hsm_state` printed output this tool cannot parse near {todo[0]!r}: "
+                    f"{r.stdout[:200]!r}; report the Lustre client version (lfs --version)"
+                )
+            # lfs stops at the first file it cannot stat; note it and ask about the rest.
+            errors[todo[0]] = (r.stderr.strip().splitlines() or [f"lfs exit {r.returncode}"])[-1]
+            todo = todo[1:]
         return states, errors
 
     def _request(self, action: str, paths: Sequence[str]) -> None:

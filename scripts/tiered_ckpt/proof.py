@@ -68,7 +68,8 @@ class CheckpointProof:
 def _expected(info: CheckpointInfo) -> list[tuple[str, int, str | None]]:
     """(path, size, xxh3) for every file to prove, the marker last."""
     assert info.manifest is not None
-    out: list[tuple[str, int, str | None]] = [(str(info.path / f.path), f.size, f.hash) for f in info.manifest.files]
+    base = str(info.path) + "/"
+    out: list[tuple[str, int, str | None]] = [(base + f.path, f.size, f.hash) for f in info.manifest.files]
     marker = info.path / MARKER
     out.append((str(marker), marker.stat().st_size, None))
     return out

@@ -231,3 +231,20 @@ def test_status_reports_backlog_and_not_yet_archived(env, tmp_path: Path) -> Non
     assert tiers == {"global_epoch0_step10": "not yet archived", "global_epoch0_step20": "in flight"}
     assert st.backlog.files == 5 and st.backlog.bytes > 0 and st.backlog.oldest_age_s is not None
     assert st.export["state"] == "never ran"
+
+
+def test_exporter_tolerates_files_deleted_under_it(env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention may delete a checkpoint while an export iteration runs: not a failure."""
+    cfg, store, cc = env
+    d = make_checkpoint(cfg.root, "m", 0, 10)
+    ex = Exporter(cfg, store, status_path=tmp_path / "st.json")
+    real = ex.discover
+
+    def discover_then_delete():
+        todo = real()
+        mf.remove_checkpoint(d)
+        return todo
+
+    monkeypatch.setattr(ex, "discover", discover_then_delete)
+    it = ex.iterate()
+    assert it.ok and it.files_discovered == 3 and it.files_exported == 0
