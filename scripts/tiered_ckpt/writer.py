@@ -56,6 +56,7 @@ class WriteOptions:
     direct: bool = True
     hash: bool = True
     barrier_timeout: float = 600.0
+    copy_threads: int | None = None     # default: one per core, at most 8
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,13 @@ class _Pipeline:
         self.error: BaseException | None = None
         self._err_lock = threading.Lock()
         self._work: queue.Queue[int | None] = queue.Queue()
-        self._chunks: list[queue.Queue[tuple[int, int]]] = [queue.Queue() for _ in files]
+        self._chunks: list[queue.Queue[tuple[int, int, int]]] = [queue.Queue() for _ in files]
+        self._sched_lock = threading.Lock()
+        self._pending = deque(range(len(files)))
+        self._active: list[list[int]] = []
+        self._rr = 0
+        # Copy threads: memmove releases the GIL, so several cores share the snapshot copy.
+        self.ncopy = max(1, min(opts.copy_threads or (os.cpu_count() or 1), self.pool.nblocks // 2 or 1, 8))
         self.entries: list[mf.FileEntry | None] = [None] * len(files)
         self.direct_used = opts.direct
         self.nthreads = max(1, min(opts.threads, len(files)))
@@ -131,49 +138,76 @@ class _Pipeline:
                 self.error = exc
         self.aborted.set()
 
-    # -- producer: the caller's thread for a snapshot, a background thread for zero-copy --
+    # -- producers: the caller's thread (plus helpers) for a snapshot, background threads for zero-copy --
     def produce(self) -> None:
+        """Copy every byte into pool blocks; returns when the last byte is copied (or on failure)."""
+        helpers = [threading.Thread(target=self._produce_guarded, name=f"ckpt-copy-{i}", daemon=True)
+                   for i in range(self.ncopy - 1)]
+        for t in helpers:
+            t.start()
+        self._produce_guarded()
+        for t in helpers:
+            t.join()
         try:
-            self._produce()
-        except Aborted:
-            pass
+            if self.error is None:
+                for s in self.sources:
+                    why = s.changed()
+                    if why:
+                        raise IntegrityError(f"{why}; nothing was committed. Keep buffers unchanged until the save has "
+                                             "snapshotted them (async) or finished (zero-copy, handle.wait())")
         except BaseException as e:
             self.fail(e)
         finally:
             for _ in self._threads:
                 self._work.put(None)
 
-    def _produce(self) -> None:
-        pending = deque(range(len(self.files)))
-        active: list[list[int]] = []
-        bs = self.pool.block_size
-        while pending or active:
-            while len(active) < self.nthreads and pending:
-                fi = pending.popleft()
-                active.append([fi, 0])
+    def _produce_guarded(self) -> None:
+        try:
+            self._produce()
+        except Aborted:
+            pass
+        except BaseException as e:
+            self.fail(e)
+
+    def _next_task(self) -> tuple[int, int, int] | None:
+        """The next block to copy, round-robin over the shards being written (at most one per writer)."""
+        with self._sched_lock:
+            while len(self._active) < self.nthreads and self._pending:
+                fi = self._pending.popleft()
                 self._work.put(fi)
-            for st in list(active):
-                fi, done = st
-                fp = self.files[fi]
-                if done < fp.size:
-                    if self.aborted.is_set():
-                        raise Aborted()
-                    idx = self.pool.acquire(self.aborted)
-                    n = min(bs, fp.size - done)
-                    try:
-                        self._fill(idx, fp, done, n)
-                    except BaseException:
-                        self.pool.release(idx)
-                        raise
-                    self._chunks[fi].put((idx, n))
-                    st[1] += n
-                if st[1] >= fp.size:
-                    active.remove(st)
-        for s in self.sources:
-            why = s.changed()
-            if why:
-                raise IntegrityError(f"{why}; nothing was committed. Keep buffers unchanged until the save has "
-                                     "snapshotted them (async) or finished (zero-copy, handle.wait())")
+                if self.files[fi].size:
+                    self._active.append([fi, 0])
+            if not self._active:
+                return None
+            self._rr %= len(self._active)
+            st = self._active[self._rr]
+            fi, off = st
+            n = min(self.pool.block_size, self.files[fi].size - off)
+            st[1] += n
+            if st[1] >= self.files[fi].size:
+                self._active.pop(self._rr)
+            else:
+                self._rr += 1
+            return fi, off, n
+
+    def _produce(self) -> None:
+        while True:
+            if self.aborted.is_set():
+                raise Aborted()
+            # The block first, then the task: a task handed out can always be completed (no deadlock
+            # with a small pool and several copy threads).
+            idx = self.pool.acquire(self.aborted)
+            task = self._next_task()
+            if task is None:
+                self.pool.release(idx)
+                return
+            fi, off, n = task
+            try:
+                self._fill(idx, self.files[fi], off, n)
+            except BaseException:
+                self.pool.release(idx)
+                raise
+            self._chunks[fi].put((off, idx, n))
 
     def _fill(self, idx: int, fp: FilePlan, file_off: int, n: int) -> None:
         out, out_addr = self.pool.view(idx), self.pool.address(idx)
@@ -201,14 +235,17 @@ class _Pipeline:
                 self.fail(e)
                 return
 
-    def _next_chunk(self, fi: int) -> tuple[int, int]:
+    def _next_chunk(self, fi: int, off: int, held: dict[int, tuple[int, int]]) -> tuple[int, int]:
+        """The block holding `off` of shard fi; copy threads may deliver blocks out of order."""
         q = self._chunks[fi]
-        while True:
+        while off not in held:
             try:
-                return q.get(timeout=0.05)
+                o, idx, n = q.get(timeout=0.05)
+                held[o] = (idx, n)
             except queue.Empty:
                 if self.aborted.is_set():
                     raise Aborted() from None
+        return held.pop(off)
 
     def _write_file(self, fi: int) -> mf.FileEntry:
         fp = self.files[fi]
@@ -216,11 +253,12 @@ class _Pipeline:
         fd, direct = open_data(path, self.opts.direct)
         if not direct:
             self.direct_used = False
+        held: dict[int, tuple[int, int]] = {}
         try:
             h = new_hasher() if self.opts.hash else None
             off = 0
             while off < fp.size:
-                idx, n = self._next_chunk(fi)
+                idx, n = self._next_chunk(fi, off, held)
                 try:
                     view = self.pool.view(idx)
                     if h is not None:
@@ -242,6 +280,8 @@ class _Pipeline:
             raise os_error(e, path) from None
         finally:
             os.close(fd)
+            for idx, _ in held.values():
+                self.pool.release(idx)
         return mf.FileEntry(fp.path, fp.size, h.hexdigest() if h is not None else None, self.rank)
 
     def finish(self) -> list[mf.FileEntry]:
@@ -250,7 +290,7 @@ class _Pipeline:
         # Drain blocks left in queues by an abort, so the reusable pool stays whole.
         for q in self._chunks:
             while not q.empty():
-                self.pool.release(q.get_nowait()[0])
+                self.pool.release(q.get_nowait()[1])
         if self.error is not None:
             raise self.error
         return [e for e in self.entries if e is not None]
