@@ -90,6 +90,9 @@ def build_toolkit(repo_root: Path, out_dir: Path) -> Toolkit:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(blob)
         os.replace(tmp, path)
+    for old in out_dir.glob("tiered-ckpt-*.tar.gz"):
+        if old != path:
+            old.unlink(missing_ok=True)   # earlier builds; the Pulumi state keeps only their hashes
     return Toolkit(path=path, sha256=sha, blob_name=path.name)
 
 
