@@ -1,0 +1,328 @@
+"""scripts/teardown.py end to end: fake pulumi CLI on PATH, the ARM double, Azurite as the archive.
+
+What an operator depends on: the file system goes only when Blob provably holds every committed
+checkpoint; a refusal changes nothing and says exactly what is missing; a failed step stops
+before anything is deleted; a re-run after an interruption continues; --dry-run changes nothing.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from .conftest import ACCOUNT, STACK, Env, later, now
+
+COME_BACK = f"pulumi config set tiered:computeEnabled true --stack {STACK} && pulumi up --stack {STACK}"
+
+
+def archived_ckpts(env: Env, n: int = 2) -> list[str]:
+    """n committed checkpoints on 'Lustre', all exported, auto-export caught up after them."""
+    names = []
+    for i in range(1, n + 1):
+        d = env.write_ckpt(1, 10 * i)
+        env.archive(d)
+        names.append(f"llama/{d.name}")
+    env.last_success(later())
+    return names
+
+
+def test_gate_passes_then_disable_config_up_in_order_and_prints_how_to_come_back(env: Env) -> None:
+    names = archived_ckpts(env)
+    r = env.run("--yes")
+    assert r.rc == 0, r.err
+    # The order that matters: export stopped before the stack config changes, config before up.
+    changes = [e for e in env.events if e in ("disable-autoexport", "pulumi config set tiered:computeEnabled false", "pulumi up --yes")]
+    assert changes == ["disable-autoexport", "pulumi config set tiered:computeEnabled false", "pulumi up --yes"]
+    assert env.arm_changes() == ["autoexport.patch:Disable"]
+    assert env.arm.scenario.autoexport["state"] == "Disabled"
+    # The stack now keeps only the archive side.
+    out = env.outputs()
+    assert out["computeEnabled"] is False and out["amlfsName"] is None
+    assert out["storageAccountName"] == ACCOUNT and out["dataContainer"] == env.container
+    # Where the checkpoints are and how to come back, exactly.
+    assert f"storage account {ACCOUNT}, container {env.container}, prefix /checkpoints/" in r.out
+    assert f"newest {names[-1]}" in r.out
+    assert COME_BACK in r.out and "tiered-ckpt restore --latest" in r.out
+    assert "amlfsName=fs1" in r.out
+    assert env.journal()["completed"]
+    # Nothing in Blob was touched.
+    assert all(n.startswith("checkpoints/llama/") for n in env.blobs())
+
+
+def test_json_result_has_plan_gate_and_come_back(env: Env) -> None:
+    archived_ckpts(env, 1)
+    r = env.run("--yes", "--json")
+    assert r.rc == 0, r.err
+    res = r.json()
+    assert res["ok"] is True and res["gate"]["ok"] is True
+    assert [s["step"] for s in res["plan"]] == ["outputs", "gate", "disable-autoexport", "config", "up"]
+    assert res["archive"]["storageAccountName"] == ACCOUNT and res["archive"]["checkpointPrefix"] == "/checkpoints"
+    assert res["come_back"][0] == COME_BACK
+    assert res["removed"]["amlfsName"] == "fs1"
+
+
+def test_dry_run_prints_every_step_and_changes_nothing(env: Env) -> None:
+    archived_ckpts(env)
+    r = env.run("--dry-run")
+    assert r.rc == 0, r.err
+    assert env.mutating() == [] and env.commands() == ["stack output"]
+    assert env.arm_changes() == []
+    for cmd in (f"pulumi stack output --json --stack {STACK}", f"pulumi config set tiered:computeEnabled false --stack {STACK}",
+                f"pulumi preview --diff --stack {STACK}", f"pulumi up --yes --stack {STACK}", '"adminStatus": "Disable"'):
+        assert cmd in r.flat, cmd
+    assert "gate: PASS" in r.flat and "nothing was changed" in r.flat
+    assert not (env.journal_dir / f"{STACK}.json").exists() or not env.journal()["steps"]
+
+
+def _lustre_only_checkpoint(env: Env) -> str:
+    archived_ckpts(env, 1)
+    d = env.write_ckpt(2, 30)           # committed on Lustre, never exported
+    env.last_success(later())
+    return f"llama/{d.name}"
+
+
+def _wrong_size(env: Env) -> str:
+    archived_ckpts(env, 1)
+    d = env.write_ckpt(2, 30)
+    env.archive(d)
+    env.put_blob(f"checkpoints/llama/{d.name}/rank1.bin", b"x" * 100)
+    env.last_success(later())
+    return f"llama/{d.name}/rank1.bin"
+
+
+def _failed_files(env: Env) -> str:
+    archived_ckpts(env)
+    env.arm.scenario.autoexport["totalFilesFailed"] = 3
+    return "failed files (total 3"
+
+
+def _stale(env: Env) -> str:
+    archived_ckpts(env)
+    env.last_success(now() - timedelta(hours=1))
+    return "not after the newest checkpoint"
+
+
+def _not_in_progress(env: Env) -> str:
+    archived_ckpts(env)
+    env.arm.scenario.autoexport["state"] = "Failed"
+    return "auto-export is Failed"
+
+
+@pytest.mark.parametrize("make, kind, lustre", [
+    (_lustre_only_checkpoint, "checkpoint-missing", True),
+    (_wrong_size, "file-size", True),
+    (_failed_files, "export-failed-files", False),
+    (_stale, "export-stale", False),
+    (_not_in_progress, "export-state", False),
+])
+def test_gate_refuses_for_each_reason_and_changes_nothing(env: Env, make, kind, lustre) -> None:
+    what = make(env)
+    extra = ["--lustre-root", str(env.mount)] if lustre else []
+    r = env.run("--yes", "--json", *extra)
+    assert r.rc == 1, r.err
+    res = r.json()
+    assert res["ok"] is False and res["refused"] is True
+    problems = res["gate"]["problems"]
+    assert [p["kind"] for p in problems] == [kind]
+    assert what in problems[0]["message"] or what == problems[0]["checkpoint"] or what.endswith(str(problems[0]["file"]))
+    assert what in res["error"] or what.split("/")[-1] in res["error"]
+    # Nothing changed: no ARM write, no pulumi config/up.
+    assert env.arm_changes() == []
+    assert env.mutating() == []
+    assert env.outputs()["amlfsName"] == "fs1"
+
+
+def test_wrong_size_names_expected_and_found(env: Env) -> None:
+    _wrong_size(env)
+    r = env.run("--yes", "--lustre-root", str(env.mount))
+    assert r.rc == 1
+    assert "rank1.bin: 100 bytes in Blob, the manifest says 3000" in r.flat
+    assert "nothing was removed" in r.flat
+
+
+def test_blob_only_evidence_is_said_and_catches_a_missing_file(env: Env) -> None:
+    archived_ckpts(env, 1)
+    d = env.write_ckpt(2, 30)
+    env.archive(d)
+    from azure.storage.blob import ContainerClient
+
+    ContainerClient.from_connection_string(env.conn, env.container).delete_blob(f"checkpoints/llama/{d.name}/rank0.bin")
+    r = env.run("--yes", "--json")
+    assert r.rc == 1
+    res = r.json()
+    assert any("Lustre not scanned" in e for e in res["gate"]["evidence"])
+    assert [(p["kind"], p["file"]) for p in res["gate"]["problems"]] == [("file-missing", "rank0.bin")]
+
+
+def test_disable_failed_stops_before_any_pulumi_change(env: Env) -> None:
+    archived_ckpts(env)
+    env.arm.scenario.disable_result = "DisableFailed"
+    r = env.run("--yes")
+    assert r.rc == 3
+    assert "DisableFailed" in r.flat and "Nothing was removed" in r.flat
+    assert env.mutating() == []
+    assert env.arm_changes()[0] == "autoexport.patch:Disable"
+    assert env.outputs()["amlfsName"] == "fs1"
+
+
+def test_interrupted_up_rerun_continues_without_redoing_steps(env: Env) -> None:
+    archived_ckpts(env)
+    env.fail_next("up", exit=255, stderr="error: update failed: context canceled")
+    r1 = env.run("--yes")
+    assert r1.rc == 1
+    assert "Re-run the same command to continue" in r1.flat and "context canceled" in r1.flat
+    steps = env.journal()["steps"]
+    assert {"autoexport_disabled", "config_set"} <= set(steps) and "up_done" not in steps
+    assert env.outputs()["amlfsName"] == "fs1"          # pulumi did not finish
+
+    r2 = env.run("--yes")
+    assert r2.rc == 0, r2.err
+    assert "continuing an interrupted teardown" in r2.flat
+    assert "already Disabled" in r2.flat
+    assert env.arm.kinds("autoexport.patch") == ["autoexport.patch:Disable"]   # not disabled twice, never re-enabled
+    assert env.commands().count("up") == 2
+    assert env.outputs()["computeEnabled"] is False
+    assert COME_BACK in r2.out
+
+    # A third run after completion converges (compute already off) without touching ARM.
+    before = len(env.arm.requests)
+    r3 = env.run("--yes")
+    assert r3.rc == 0, r3.err
+    assert "already gone" in r3.flat and len(env.arm.requests) == before
+
+
+def test_rerun_after_the_file_system_is_gone(env: Env) -> None:
+    archived_ckpts(env)
+    env.fail_next("up", exit=137, stderr="Killed", apply=False)
+    assert env.run("--yes").rc == 1
+    env.arm.filesystem = "deleted-by-the-interrupted-up"    # ARM now answers 404 for fs1
+    r = env.run("--yes")
+    assert r.rc == 0, r.err
+    assert "nothing is left on Lustre" in r.flat
+    assert env.outputs()["computeEnabled"] is False
+
+
+def test_missing_file_system_without_our_journal_refuses(env: Env) -> None:
+    archived_ckpts(env)
+    env.arm.filesystem = "someone-else"
+    r = env.run("--yes", "--json")
+    assert r.rc == 1
+    assert [p["kind"] for p in r.json()["gate"]["problems"]] == ["export-missing"]
+    assert env.mutating() == []
+
+
+def test_force_needs_the_typed_stack_name(env: Env) -> None:
+    _failed_files(env)
+    r = env.run("--yes", "--force", stdin="staging\n")
+    assert r.rc == 1 and "not the stack name 'prod'" in r.flat
+    assert env.mutating() == [] and env.arm_changes() == []
+    r = env.run("--yes", "--force", stdin="")
+    assert r.rc == 1 and env.mutating() == []
+    r = env.run("--yes", "--force", stdin=f"{STACK}\n")
+    assert r.rc == 0, r.err
+    assert "LOST" in r.flat
+    assert env.commands()[-2:] == ["up", "stack output"]
+
+
+def test_without_yes_the_preview_is_shown_and_declining_undoes_everything(env: Env) -> None:
+    archived_ckpts(env)
+    r = env.run(stdin="y\nn\n")
+    assert r.rc == 1
+    assert "Previewing update (prod)" in r.flat and "- 1 to delete" not in r.flat
+    assert "output amlfsName (delete)" in r.flat
+    assert "up" not in env.commands()
+    assert env.stacks()[STACK]["config"] == {}                     # restored: it was unset before
+    assert env.arm.kinds("autoexport.patch") == ["autoexport.patch:Disable", "autoexport.patch:Enable"]
+    assert env.arm.scenario.autoexport["state"] == "InProgress"
+    assert "not confirmed; nothing was removed" in r.flat
+
+
+def test_ordinary_confirmation_declined_changes_nothing(env: Env) -> None:
+    archived_ckpts(env)
+    r = env.run(stdin="n\n")
+    assert r.rc == 1 and env.mutating() == [] and env.arm_changes() == []
+
+
+def test_manual_export_archives_after_disabling_auto_export(env: Env) -> None:
+    from tests.doubles.arm_double import blob_archive_hook
+
+    archived_ckpts(env, 1)
+    d = env.write_ckpt(2, 30)                      # not exported; auto-export behind
+    env.last_success(now() - timedelta(minutes=5))
+    env.arm.scenario.archive_hook = blob_archive_hook(env.conn, env.container, env.mount)
+    r = env.run("--yes", "--manual-export", "--lustre-root", str(env.mount))
+    assert r.rc == 0, r.err
+    kinds = env.arm.kinds()
+    # One blob job at a time: check running jobs, disable, then archive the checkpoint prefix.
+    i_list, i_dis, i_arch = kinds.index("imports.get"), kinds.index("autoexport.patch:Disable"), kinds.index("archive.post")
+    assert i_list < i_dis < i_arch
+    assert env.arm.requests[i_arch].body == {"filesystemPath": "/checkpoints"}
+    assert kinds.count("autoexport.patch:Disable") == 1
+    assert f"checkpoints/llama/{d.name}/rank0.bin" in env.blobs()
+    assert "manual export of /checkpoints: Completed 100%" in r.flat
+    assert env.outputs()["computeEnabled"] is False
+
+
+def test_manual_export_that_fails_refuses_and_re_enables_auto_export(env: Env) -> None:
+    archived_ckpts(env, 1)
+    env.write_ckpt(2, 30)
+    env.last_success(now() - timedelta(minutes=5))
+    env.arm.scenario.archive_result = "Failed"
+    r = env.run("--yes", "--json", "--manual-export", "--lustre-root", str(env.mount))
+    assert r.rc == 1
+    res = r.json()
+    assert {p["kind"] for p in res["gate"]["problems"]} >= {"archive-failed", "checkpoint-missing"}
+    assert "auto-export was re-enabled" in res["error"]
+    assert env.arm.kinds("autoexport.patch") == ["autoexport.patch:Disable", "autoexport.patch:Enable"]
+    assert env.mutating() == []
+
+
+def test_waits_with_progress_until_the_export_catches_up(env: Env) -> None:
+    import threading
+    import time
+
+    archived_ckpts(env, 1)
+    d = env.write_ckpt(2, 30)
+
+    def export_later() -> None:
+        time.sleep(0.5)
+        env.archive(d)
+        env.last_success(later())
+
+    t = threading.Thread(target=export_later)
+    t.start()
+    try:
+        r = env.run("--yes", "--lustre-root", str(env.mount), "--wait-timeout", "20s", "--poll-interval", "0.2s")
+    finally:
+        t.join()
+    assert r.rc == 0, r.err
+    assert "waiting for the archive:" in r.flat and "in Blob" in r.flat
+
+
+def test_delete_archive_is_separate_and_needs_the_typed_account_name(env: Env) -> None:
+    archived_ckpts(env)
+    r = env.run("delete-archive", stdin=f"{ACCOUNT}\n")
+    assert r.rc == 1 and "tear it down first" in r.flat and env.mutating() == []
+
+    assert env.run("--yes").rc == 0
+    n = len(env.mutating())
+    r = env.run("delete-archive", "--yes", stdin="nope\n")          # --yes never replaces the typed name
+    assert r.rc == 1 and "nothing was deleted" in r.flat
+    assert len(env.mutating()) == n and env.stacks()[STACK].get("destroyed") is None
+
+    r = env.run("delete-archive", "--dry-run")
+    assert r.rc == 0 and len(env.mutating()) == n
+    assert f"pulumi state unprotect --all --yes --stack {STACK}" in r.flat and f"pulumi destroy --yes --stack {STACK}" in r.flat
+    assert "2 committed checkpoint(s)" in r.flat
+
+    r = env.run("delete-archive", stdin=f"{ACCOUNT}\n")
+    assert r.rc == 0, r.err
+    assert env.commands()[-2:] == ["state unprotect", "destroy"]
+    assert env.stacks()[STACK]["destroyed"] is True
+
+
+def test_missing_pulumi_cli_is_one_clear_error(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    r = env.run("--dry-run")
+    assert r.rc == 2
+    assert "pulumi CLI (pulumi) is not on PATH" in r.flat and "Traceback" not in r.flat
