@@ -58,23 +58,34 @@ class WaitForBlobJobsProvider(pulumi.dynamic.ResourceProvider):
                                    "run `pulumi up` again once it finishes, or raise tiered:blobJobWaitMinutes")
             sleep(poll_s)
 
+    @classmethod
+    def probe_for(cls, client: Any, resource_group: str, filesystem: str) -> Callable[[], tuple[list[str | None], list[str | None]]]:
+        """A probe reading import job states and hsm.archiveStatus states through a StorageCacheManagementClient."""
+
+        def probe() -> tuple[list[str | None], list[str | None]]:
+            imports = []
+            for job in client.import_jobs.list_by_aml_filesystem(resource_group, filesystem):
+                status = getattr(getattr(job, "properties", None), "status", None)
+                imports.append(cls.plain(getattr(status, "state", None)))
+            hsm = getattr(getattr(client.aml_filesystems.get(resource_group, filesystem), "properties", None), "hsm", None)
+            archives = [cls.plain(getattr(getattr(a, "status", None), "state", None)) for a in (getattr(hsm, "archive_status", None) or [])]
+            return imports, archives
+
+        return probe
+
+    @staticmethod
+    def plain(state: Any) -> str | None:
+        """The SDK answers str-enums (ImportStatusType.IN_PROGRESS); keep the wire value ("InProgress")."""
+        return None if state is None else str(getattr(state, "value", state))
+
     def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
         from azure.identity import DefaultAzureCredential
         from azure.mgmt.storagecache import StorageCacheManagementClient
 
+        # Runs in the dynamic provider host with the operator's Azure login (az CLI, env, managed identity).
         client = StorageCacheManagementClient(DefaultAzureCredential(), props["subscription_id"])
         rg, fs = props["resource_group"], props["filesystem"]
-
-        def probe() -> tuple[list[str | None], list[str | None]]:
-            imports = []
-            for job in client.import_jobs.list_by_aml_filesystem(rg, fs):
-                status = getattr(getattr(job, "properties", None), "status", None)
-                imports.append(getattr(status, "state", None))
-            hsm = getattr(getattr(client.aml_filesystems.get(rg, fs), "properties", None), "hsm", None)
-            archives = [getattr(getattr(a, "status", None), "state", None) for a in (getattr(hsm, "archive_status", None) or [])]
-            return imports, archives
-
-        result = self.wait_idle(probe, float(props["timeout_s"]), float(props["poll_s"]))
+        result = self.wait_idle(self.probe_for(client, rg, fs), float(props["timeout_s"]), float(props["poll_s"]))
         return pulumi.dynamic.CreateResult(id_=f"{rg}/{fs}/blob-jobs-idle", outs={**props, **result})
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> pulumi.dynamic.DiffResult:

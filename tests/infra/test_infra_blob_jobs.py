@@ -84,3 +84,40 @@ def test_provider_deserializes_without_the_project_on_the_path(tmp_path: Path) -
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "['import job InProgress'] WaitForBlobJobsProvider"
     assert base64.b64decode(blob)
+
+
+def _client(arm_double):  # type: ignore[no-untyped-def]
+    from azure.mgmt.storagecache import StorageCacheManagementClient
+
+    from tests.doubles.arm_double import StaticTokenCredential
+
+    return StorageCacheManagementClient(StaticTokenCredential(), arm_double.subscription_id, base_url=arm_double.endpoint,
+                                        connection_verify=str(arm_double.ca_cert), retry_total=1)
+
+
+def test_waits_for_a_running_import_through_the_real_client(arm_double) -> None:  # type: ignore[no-untyped-def]
+    # The creation-time import of a new file system, as ARM reports it (REST-shaped double, real SDK client).
+    from azure.mgmt.storagecache.models import ImportJob, ImportJobProperties
+
+    arm_double.scenario.one_blob_job = False      # the new file system has no auto-export yet
+    arm_double.scenario.import_polls = 3
+    client = _client(arm_double)
+    client.import_jobs.begin_create_or_update(
+        arm_double.resource_group, arm_double.filesystem, "creation-import",
+        ImportJob(location="eastus", properties=ImportJobProperties(import_prefixes=["/checkpoints"]))).result()
+    probe = P.probe_for(client, arm_double.resource_group, arm_double.filesystem)
+    assert P.busy(*probe()) == ["import job InProgress"]
+    out = P.wait_idle(probe, timeout_s=10, poll_s=0.01)
+    assert out["import_states"] == ["Completed"] and out["probes"] >= 3
+
+
+def test_waits_for_a_running_manual_archive_through_the_real_client(arm_double) -> None:  # type: ignore[no-untyped-def]
+    from azure.mgmt.storagecache.models import AmlFilesystemArchiveInfo
+
+    arm_double.scenario.one_blob_job = False
+    client = _client(arm_double)
+    client.aml_filesystems.archive(arm_double.resource_group, arm_double.filesystem, AmlFilesystemArchiveInfo(filesystem_path="/"))
+    probe = P.probe_for(client, arm_double.resource_group, arm_double.filesystem)
+    assert P.busy(*probe())[0].startswith("archive ")
+    P.wait_idle(probe, timeout_s=10, poll_s=0.01)
+    assert not P.busy(*probe())
