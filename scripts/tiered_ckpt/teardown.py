@@ -360,6 +360,11 @@ class Teardown:
         if not self.journal.done("autoexport_disabled") or not self.outputs.compute_present:
             return ""
         try:
+            st = self.jobs().autoexport_status()
+            if st.admin_status == "Enable" and st.state == "InProgress":
+                # Our disable was refused outright (e.g. 403): there is nothing to undo.
+                self.journal.unmark("autoexport_disabled")
+                return ""
             self.jobs().enable_autoexport()
         except UserError as e:
             return f"auto-export is still DISABLED (re-enabling failed: {e}); run: {self.jobs().target.enable_command()}"

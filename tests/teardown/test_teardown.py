@@ -161,8 +161,19 @@ def test_disable_failed_stops_before_any_pulumi_change(env: Env) -> None:
     assert r.rc == 3
     assert "DisableFailed" in r.flat and "Nothing was removed" in r.flat
     assert env.mutating() == []
-    assert env.arm_changes()[0] == "autoexport.patch:Disable"
+    # A half-done disable is undone: export must not stay off for a teardown that did not happen.
+    assert env.arm.kinds("autoexport.patch") == ["autoexport.patch:Disable", "autoexport.patch:Enable"]
+    assert "auto-export was re-enabled" in r.flat
     assert env.outputs()["amlfsName"] == "fs1"
+
+
+def test_disable_refused_by_arm_changes_nothing(env: Env) -> None:
+    archived_ckpts(env)
+    env.arm.scenario.deny = {"autoexport.patch"}
+    r = env.run("--yes")
+    assert r.rc == 2
+    assert "autoExportJobs/write" in r.flat and "Nothing was removed" in r.flat
+    assert env.mutating() == [] and env.arm.scenario.autoexport["state"] == "InProgress"
 
 
 def test_interrupted_up_rerun_continues_without_redoing_steps(env: Env) -> None:
