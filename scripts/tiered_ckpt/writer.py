@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,17 +223,18 @@ class _Pipeline:
 
     # -- writers --
     def _run(self) -> None:
-        while True:
-            fi = self._work.get()
-            if fi is None or self.aborted.is_set():
-                return
-            try:
-                self.entries[fi] = self._write_file(fi)
-            except Aborted:
-                return
-            except BaseException as e:
-                self.fail(e)
-                return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
+            while True:
+                fi = self._work.get()
+                if fi is None or self.aborted.is_set():
+                    return
+                try:
+                    self.entries[fi] = self._write_file(fi, hasher)
+                except Aborted:
+                    return
+                except BaseException as e:
+                    self.fail(e)
+                    return
 
     def _next_chunk(self, fi: int, off: int, held: dict[int, tuple[int, int]]) -> tuple[int, int]:
         """The block holding `off` of shard fi; copy threads may deliver blocks out of order."""
@@ -247,7 +248,7 @@ class _Pipeline:
                     raise Aborted() from None
         return held.pop(off)
 
-    def _write_file(self, fi: int) -> mf.FileEntry:
+    def _write_file(self, fi: int, hasher: ThreadPoolExecutor) -> mf.FileEntry:
         fp = self.files[fi]
         path = self.dir / fp.path
         fd, direct = open_data(path, self.opts.direct)
@@ -261,13 +262,18 @@ class _Pipeline:
                 idx, n = self._next_chunk(fi, off, held)
                 try:
                     view = self.pool.view(idx)
-                    if h is not None:
-                        h.update(view[:n])
+                    # Hash on a helper thread while this one writes the same block: xxh3 releases
+                    # the GIL, so the hash costs no device time (blocks stay in order per shard).
+                    hashed = hasher.submit(h.update, view[:n]) if h is not None else None
                     wlen = n
                     if direct and n % ALIGN:
                         wlen = -(-n // ALIGN) * ALIGN
                         view[n:wlen] = bytes(wlen - n)
-                    pwrite_all(fd, view[:wlen], off)
+                    try:
+                        pwrite_all(fd, view[:wlen], off)
+                    finally:
+                        if hashed is not None:
+                            hashed.result()
                 finally:
                     self.pool.release(idx)
                 off += n
