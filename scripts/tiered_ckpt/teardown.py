@@ -422,7 +422,8 @@ class Teardown:
             undo = "" if self.o.dry_run else self.reenable_autoexport()
             raise UserError(f"{e}{'; ' + undo if undo else ''}", exit_code=e.exit_code) from None
         result["gate"] = gate.to_json()
-        self._print_gate(gate)
+        # A refusal lists the problems in its error message; print them here only when not refusing.
+        self._print_gate(gate, problems=gate.ok or self.o.dry_run or self.o.force)
         if not gate.ok and not self.o.force:
             undo = "" if self.o.dry_run else self.reenable_autoexport()
             result.update(refused=True, undo=undo)
@@ -453,7 +454,7 @@ class Teardown:
                 # nothing was committed between the gate and the disable.
                 final = evaluate(self.collect(self.manual))
                 if not final.ok:
-                    self._print_gate(final)
+                    self._print_gate(final, problems=False)
                     undo = self.reenable_autoexport()
                     result.update(refused=True, gate=final.to_json(), undo=undo)
                     raise Refused(self._refusal(final, undo), result=result)
@@ -515,14 +516,15 @@ class Teardown:
         return f"{COMPUTE_KEY} restored to {prev if prev is not None else 'its default (unset)'}"
 
     # -- messages -------------------------------------------------------------------------------
-    def _print_gate(self, gate: GateResult) -> None:
+    def _print_gate(self, gate: GateResult, problems: bool = True) -> None:
         self.say(f"gate: {'PASS' if gate.ok else 'FAIL'}")
         for e in gate.evidence:
             self.say(f"  evidence: {e}")
         for w in gate.warnings:
             self.say(f"  warning: {w}")
-        for p in gate.problems:
-            self.say(f"  missing: {p.message}")
+        if problems:
+            for p in gate.problems:
+                self.say(f"  missing: {p.message}")
 
     def _refusal(self, gate: GateResult, undo: str) -> str:
         lines = [f"refusing to tear down stack {self.o.stack}: the archive does not provably hold every committed checkpoint; "
@@ -533,7 +535,8 @@ class Teardown:
         return "\n".join(lines)
 
     def report(self, before: StackOutputs, after: StackOutputs, gate: GateResult) -> dict[str, Any]:
-        removed = {k: before.get(k) for k in (*ComputeOutputs, "nodeCount", "scaleSetName") if before.get(k) is not None}
+        removed = {k: before.get(k) for k in ("amlfsName", "autoExportJobName", "computeResourceGroup", "nodeCount", "scaleSetName")
+                   if before.get(k) is not None}
         archive = {"storageAccountName": after.get("storageAccountName") or before.get("storageAccountName"),
                    "storageAccountUrl": after.get("storageAccountUrl") or before.get("storageAccountUrl"),
                    "dataContainer": after.get("dataContainer") or before.get("dataContainer"),
@@ -543,8 +546,11 @@ class Teardown:
         if not self.o.as_json:
             print(f"Teardown of stack {self.o.stack} done.")
             if removed:
-                print("Removed: " + ", ".join(f"{k}={v}" for k, v in removed.items())
-                      + " (and the network, the cluster's identity and role grants)")
+                print(f"Removed: file system {removed.get('amlfsName')} with auto-export job {removed.get('autoExportJobName')}, "
+                      f"the GPU cluster ({removed.get('nodeCount', '?')} nodes), the network, and resource group "
+                      f"{removed.get('computeResourceGroup')}.")
+            else:
+                print("Removed: nothing this time (the compute side was already gone); the stack is converged.")
             print(f"Checkpoints are in storage account {archive['storageAccountName']}, container {archive['dataContainer']}, "
                   f"prefix {archive['checkpointPrefix']}/ ({archive['checkpoints']} committed; newest {gate.newest or 'none'}).")
             print("To come back:")

@@ -43,7 +43,7 @@ def test_gate_passes_then_disable_config_up_in_order_and_prints_how_to_come_back
     assert f"storage account {ACCOUNT}, container {env.container}, prefix /checkpoints/" in r.out
     assert f"newest {names[-1]}" in r.out
     assert COME_BACK in r.out and "tiered-ckpt restore --latest" in r.out
-    assert "amlfsName=fs1" in r.out
+    assert "Removed: file system fs1 with auto-export job job1" in r.out
     assert env.journal()["completed"]
     # Nothing in Blob was touched.
     assert all(n.startswith("checkpoints/llama/") for n in env.blobs())
