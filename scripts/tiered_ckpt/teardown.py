@@ -475,10 +475,13 @@ class Teardown:
         try:
             self.pulumi.stream("up", "--yes")
         except UserError as e:
+            back = f"pulumi config set {COMPUTE_KEY} true --stack {self.o.stack} && pulumi up --stack {self.o.stack}"
+            if before.compute_present:
+                # `pulumi up` does not see the out-of-band PATCH (no refresh), so say how to undo it.
+                back += f", then re-enable auto-export: {self.jobs().target.enable_command()}"
             raise UserError(
                 f"{e}. The teardown stopped after disabling auto-export and setting {COMPUTE_KEY}=false. Re-run the same "
-                f"command to continue (journal {self.journal.path}); to go back to training instead: "
-                f"pulumi config set {COMPUTE_KEY} true --stack {self.o.stack} && pulumi up --stack {self.o.stack}",
+                f"command to continue (journal {self.journal.path}); to go back to training instead: {back}",
                 exit_code=e.exit_code) from None
         self.journal.mark("up_done")
         after = StackOutputs(self.pulumi.outputs())

@@ -182,6 +182,7 @@ def test_interrupted_up_rerun_continues_without_redoing_steps(env: Env) -> None:
     r1 = env.run("--yes")
     assert r1.rc == 1
     assert "Re-run the same command to continue" in r1.flat and "context canceled" in r1.flat
+    assert "\"adminStatus\": \"Enable\"" in r1.flat                # the way back names the re-enable
     steps = env.journal()["steps"]
     assert {"autoexport_disabled", "config_set"} <= set(steps) and "up_done" not in steps
     assert env.outputs()["amlfsName"] == "fs1"          # pulumi did not finish
