@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ConflictError
+from .errors import ConflictError, UserError
 
 LOCK_NAME = ".retention.lock"
 
@@ -34,7 +34,13 @@ def exclusive(path: str | os.PathLike[str], purpose: str) -> Iterator[None]:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):
+                raise UserError(
+                    f"cannot lock {p}: {e.strerror}; on Lustre mount with `-o flock` (the cluster's fstab does) "
+                    "so that one node at a time changes these checkpoints",
+                    exit_code=3,
+                ) from None
             holder = ""
             try:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()

@@ -272,5 +272,10 @@ def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime |
                     res.done.append(f"release {d.name}")
                     res.freed_bytes += d.bytes
         if to_release:
-            backend.release(to_release)
+            # Only what is not released yet: a re-run after a kill must not trip over done work.
+            hsm = backend.hsm_states(to_release)
+            if hsm is not None:
+                to_release = [p for p in to_release if p not in hsm[0] or not hsm[0][p].released]
+            if to_release:
+                backend.release(to_release)
         return res
