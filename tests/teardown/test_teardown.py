@@ -240,8 +240,8 @@ def test_without_yes_the_preview_is_shown_and_declining_undoes_everything(env: E
     archived_ckpts(env)
     r = env.run(stdin="y\nn\n")
     assert r.rc == 1
-    assert "Previewing update (prod)" in r.flat and "- 1 to delete" not in r.flat
-    assert "output amlfsName (delete)" in r.flat
+    # The preview ran after the config change, so it shows the compute side going.
+    assert "Previewing update (prod)" in r.flat and "output amlfsName (delete)" in r.flat
     assert "up" not in env.commands()
     assert env.stacks()[STACK]["config"] == {}                     # restored: it was unset before
     assert env.arm.kinds("autoexport.patch") == ["autoexport.patch:Disable", "autoexport.patch:Enable"]
@@ -322,8 +322,11 @@ def test_delete_archive_is_separate_and_needs_the_typed_account_name(env: Env) -
     assert r.rc == 1 and "nothing was deleted" in r.flat
     assert len(env.mutating()) == n and env.stacks()[STACK].get("destroyed") is None
 
-    r = env.run("delete-archive", "--dry-run")
+    r = env.run("delete-archive", "--dry-run", "--json")
     assert r.rc == 0 and len(env.mutating()) == n
+    res = r.json()
+    assert res["deletes"]["storageAccountName"] == ACCOUNT and len(res["deletes"]["checkpoints"]) == 2
+    assert res["plan"] == [f"pulumi state unprotect --all --yes --stack {STACK}", f"pulumi destroy --yes --stack {STACK}"]
     assert f"pulumi state unprotect --all --yes --stack {STACK}" in r.flat and f"pulumi destroy --yes --stack {STACK}" in r.flat
     assert "2 committed checkpoint(s)" in r.flat
 
