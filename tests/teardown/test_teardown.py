@@ -341,3 +341,26 @@ def test_missing_pulumi_cli_is_one_clear_error(env: Env, monkeypatch: pytest.Mon
     r = env.run("--dry-run")
     assert r.rc == 2
     assert "pulumi CLI (pulumi) is not on PATH" in r.flat and "Traceback" not in r.flat
+
+
+def test_runs_as_a_program_the_way_make_calls_it(env: Env) -> None:
+    """`make teardown` runs `python scripts/teardown.py --stack S ARGS`: no in-process patches here, so
+    use a stack whose compute side is already off (no ARM call) and skip the Blob listing."""
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    stacks = env.stacks()
+    stacks[STACK]["outputs"] = {**stacks[STACK]["outputs"], "computeEnabled": False, "amlfsName": None,
+                                "autoExportJobName": None, "computeResourceGroup": None}
+    (env.state / "stacks.json").write_text(json.dumps(stacks))
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "teardown.py"), *env.args("--yes", "--no-blob-check", "--json")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert res["ok"] is True and res["come_back"][0] == COME_BACK
+    assert env.commands() == ["stack output", "config get", "config set", "up", "stack output"]
+    assert env.calls()[2] == ["config", "set", "tiered:computeEnabled", "false", "--stack", STACK]
+    assert env.calls()[3] == ["up", "--yes", "--stack", STACK]
