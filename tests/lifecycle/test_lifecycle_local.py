@@ -248,3 +248,56 @@ def test_exporter_tolerates_files_deleted_under_it(env, tmp_path: Path, monkeypa
     monkeypatch.setattr(ex, "discover", discover_then_delete)
     it = ex.iterate()
     assert it.ok and it.files_discovered == 3 and it.files_exported == 0
+
+
+def test_human_output_and_restore_progress(env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    cfg, store, _ = env
+    for s in (10, 20, 30):
+        make_checkpoint(cfg.root, "m", 0, s, files={"a.bin": os.urandom(200_000)})
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(dump(cfg))
+    monkeypatch.setenv("TIERED_CKPT_CONFIG", str(cfg_file))
+    st_file = str(tmp_path / "exp.json")
+    assert cli.main(["export", "--export-status", st_file]) == 0
+    assert cli.main(["retention", "plan", "--keep-last", "1", "--min-keep", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "global_epoch0_step10" in out and "delete" in out and "newest committed" in out
+    assert cli.main(["status", "--export-status", st_file]) == 0
+    out = capsys.readouterr().out
+    assert "archived" in out and "export backlog: 0 files" in out and "capacity:" in out
+    import shutil
+
+    shutil.rmtree(cfg.root)
+    monkeypatch.setenv("TIERED_CKPT_PROGRESS", "1")
+    assert cli.main(["restore", "--latest", "--verify"]) == 0
+    cap = capsys.readouterr()
+    assert "restored global_epoch0_step30" in cap.out and "hashes verified" in cap.out
+    assert "restore global_epoch0_step30" in cap.err and "195.3" in cap.err    # bytes done of total
+
+
+def test_export_watch_runs_until_sigterm(env, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    cfg, store, cc = env
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(dump(cfg))
+    st_file = tmp_path / "exp.json"
+    proc = subprocess.Popen([sys.executable, "-m", "tiered_ckpt", "export", "--watch", "--interval", "0.2",
+                             "--config", str(cfg_file), "--export-status", str(st_file)],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "scripts")},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        make_checkpoint(cfg.root, "m", 0, 10)
+        deadline = time.monotonic() + 20
+        while "checkpoints/m/global_epoch0_step10/COMMITTED.json" not in blob_names(cc):
+            assert time.monotonic() < deadline, "the exporter did not export within 20 s"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert "stand-in for AMLFS auto-export" in err
+    st = read_status(st_file)
+    assert st is not None and st.iterations >= 1 and st.last_successful_iteration_utc
