@@ -494,7 +494,9 @@ class Teardown:
     def disable_autoexport(self) -> None:
         jobs = self.jobs()
         st = self.export_state()
-        if st.state == "NotFound" and self.journal.done("autoexport_disabled"):
+        if st.state == "NotFound":
+            # Gone already (an earlier run's `pulumi up`), or --force over a missing job: nothing to stop.
+            self.say(f"auto-export job {jobs.target.autoexport_job} on {jobs.target.filesystem} not found; nothing to disable")
             return
         if st.state == "Disabled":
             self.say(f"auto-export {jobs.target.autoexport_job} is already Disabled")

@@ -221,6 +221,10 @@ def test_missing_file_system_without_our_journal_refuses(env: Env) -> None:
     assert r.rc == 1
     assert [p["kind"] for p in r.json()["gate"]["problems"]] == ["export-missing"]
     assert env.mutating() == []
+    # Knowing it is gone, --force (typed stack name) goes ahead without trying to disable a missing job.
+    r = env.run("--yes", "--force", stdin=f"{STACK}\n")
+    assert r.rc == 0, r.err
+    assert "not found; nothing to disable" in r.flat and env.arm_changes() == []
 
 
 def test_force_needs_the_typed_stack_name(env: Env) -> None:
