@@ -68,6 +68,8 @@ def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
             f"restored {res.name} at {res.path}: {how}; {human_bytes(res.bytes)} in {res.seconds:.1f}s "
             f"({res.gbps:.2f} GB/s); sizes verified{', hashes verified' if res.verified else ''}"
         )
+        for w in res.warnings:
+            stderr.print(f"[yellow]warning:[/] {w}")
     return EXIT_OK
 
 

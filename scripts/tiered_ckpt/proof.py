@@ -71,7 +71,11 @@ def _expected(info: CheckpointInfo) -> list[tuple[str, int, str | None]]:
     base = str(info.path) + "/"
     out: list[tuple[str, int, str | None]] = [(base + f.path, f.size, f.hash) for f in info.manifest.files]
     marker = info.path / MARKER
-    out.append((str(marker), marker.stat().st_size, None))
+    try:
+        size = marker.stat().st_size
+    except FileNotFoundError:       # deleted since the scan (status runs without the lock)
+        size = -1
+    out.append((str(marker), size, None))
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from . import manifest as mf
 from .backends import TierBackend
 from .blobstore import BlobStore
 from .config import NodeConfig
-from .errors import IntegrityError, UserError
+from .errors import IntegrityError, UnavailableError, UserError
 from .hashing import hash_path
 from .naming import parse_name, require_name
 from .output import byte_progress
@@ -48,6 +48,7 @@ class RestoreResult:
     verified: bool
     files: int
     prefetched_files: int = 0
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:
@@ -56,7 +57,7 @@ class RestoreResult:
     def to_json(self) -> dict[str, Any]:
         return {"ok": True, "name": self.name, "path": self.path, "source": self.source, "bytes": self.bytes,
                 "seconds": round(self.seconds, 3), "gb_per_s": round(self.gbps, 3), "verified": self.verified,
-                "files": self.files, "prefetched_files": self.prefetched_files}
+                "files": self.files, "prefetched_files": self.prefetched_files, "warnings": self.warnings}
 
 
 def archive_committed(store: BlobStore, model: str) -> list[mf.Manifest]:
@@ -82,20 +83,34 @@ def archive_committed(store: BlobStore, model: str) -> list[mf.Manifest]:
     return sorted(out, key=lambda m: m.id)
 
 
-def committed_anywhere(cfg: NodeConfig, backend: TierBackend) -> dict[str, Found]:
-    """Committed checkpoints by name; the accelerator layer wins where both have one."""
+def committed_anywhere(cfg: NodeConfig, backend: TierBackend, warnings: list[str] | None = None) -> dict[str, Found]:
+    """Committed checkpoints by name; the accelerator layer wins where both have one.
+
+    If the archive cannot be reached but the accelerator layer has committed checkpoints,
+    those are used and a warning is added (a training restart should not wait for Blob);
+    with nothing local the UnavailableError stands.
+    """
     found: dict[str, Found] = {}
+    unreachable: UnavailableError | None = None
     if backend.archive_configured:
-        for m in archive_committed(backend.store, cfg.model):
-            found[m.name] = Found(m, "archive")
+        try:
+            for m in archive_committed(backend.store, cfg.model):
+                found[m.name] = Found(m, "archive")
+        except UnavailableError as e:
+            unreachable = e
     for c in mf.committed(mf.scan(cfg.root, cfg.model)):
         assert c.manifest is not None
         found[c.name] = Found(c.manifest, "accelerator")
+    if unreachable is not None:
+        if not found:
+            raise unreachable
+        if warnings is not None:
+            warnings.append(f"archive not consulted, only the accelerator layer: {unreachable}")
     return found
 
 
-def choose(cfg: NodeConfig, backend: TierBackend, name: str | None) -> Found:
-    found = committed_anywhere(cfg, backend)
+def choose(cfg: NodeConfig, backend: TierBackend, name: str | None, warnings: list[str] | None = None) -> Found:
+    found = committed_anywhere(cfg, backend, warnings)
     if name is not None:
         require_name(name)
         if name not in found:
@@ -135,7 +150,8 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
     """Make checkpoint `name` (or the newest committed anywhere) readable; see the module doc."""
     root = Path(cfg.root)
     root.mkdir(parents=True, exist_ok=True)
-    target = choose(cfg, backend, name)
+    warnings: list[str] = []
+    target = choose(cfg, backend, name, warnings)
     m = target.manifest
     ckpt_dir = mf.model_dir(root, cfg.model) / m.name
     t0 = time.monotonic()
@@ -149,7 +165,7 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
         if verify:
             verify_hashes(ckpt_dir, m, cfg.archive.concurrency)
         return RestoreResult(m.name, str(ckpt_dir), "released" if prefetched else "resident", m.total_bytes,
-                             time.monotonic() - t0, verify, len(m.files), prefetched)
+                             time.monotonic() - t0, verify, len(m.files), prefetched, warnings)
 
     # Only in the archive. A marker left here is stale (the directory is not committed):
     # remove it before any data arrives so the directory never looks complete too early.

@@ -61,3 +61,14 @@ def test_archive_unreachable_mid_restore_leaves_nothing_that_looks_complete(priv
     d = Path(cfg.root) / "m" / "global_epoch0_step10"
     assert not (d / mf.MARKER).exists()
     assert mf.latest_committed(cfg.root, "m") is None
+
+
+def test_restart_uses_the_resident_newest_when_the_archive_is_down(private_azurite: Azurite, tmp_path: Path) -> None:
+    cfg = local_cfg(tmp_path / "root", private_azurite.connection_string, "ckpts")
+    make_checkpoint(cfg.root, "m", 0, 10)
+    private_azurite.stop()
+    r = restore(cfg, LocalBackend(cfg, BlobStore(cfg.archive, backoff=0.01)), None, progress=False)
+    assert (r.name, r.source) == ("global_epoch0_step10", "resident") and "archive not consulted" in r.warnings[0]
+    shutil.rmtree(cfg.root)
+    with pytest.raises(UnavailableError):
+        restore(cfg, LocalBackend(cfg, BlobStore(cfg.archive, backoff=0.01)), None, progress=False)
