@@ -76,15 +76,21 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
            block_size: int | None, direct: bool | None, hash: bool, overwrite_incomplete: bool,
            save_id: str | None, barrier_timeout: float, pool_kind: str, pool_bytes: int | None,
            progress: Callable[[int], None] | None) -> writer.Save:
-    cfg = _cfg(config, root, model)
-    cid = _cid(name, epoch, step)
-    opts = _options(cfg, files, threads, block_size, direct, hash, barrier_timeout)
     comm = detect(rank, world_size, group)
-    sources = to_sources(state)
-    size = pool_bytes if pool_bytes is not None else (cfg.io.staging_bytes if pool_kind == "staging" else cfg.io.sync_buffer_bytes)
-    pool = staging.pool(pool_kind, size, opts.block_size)
-    s = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
-                    overwrite_incomplete=overwrite_incomplete, save_id=save_id, progress=progress)
+    try:
+        cfg = _cfg(config, root, model)
+        cid = _cid(name, epoch, step)
+        opts = _options(cfg, files, threads, block_size, direct, hash, barrier_timeout)
+        sources = to_sources(state)
+        size = pool_bytes if pool_bytes is not None else (cfg.io.staging_bytes if pool_kind == "staging" else cfg.io.sync_buffer_bytes)
+        pool = staging.pool(pool_kind, size, opts.block_size)
+        s = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
+                        overwrite_incomplete=overwrite_incomplete, save_id=save_id, progress=progress)
+    except UserError as e:
+        # Under torch.distributed the other ranks are about to compare notes (Save.prepare): join
+        # in with this error so they fail too instead of waiting for this rank.
+        comm.exchange(str(e))
+        raise
     s.prepare()
     return s
 

@@ -167,7 +167,7 @@ def allocate(entry: Mapping[str, Any]) -> tuple[Any, memoryview]:
             kind = "numpy" if _numpy_dtype_ok(entry) else "bytes"
         else:
             t = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
-            return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     if kind == "numpy":
         try:
             import numpy as np

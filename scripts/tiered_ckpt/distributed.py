@@ -29,9 +29,13 @@ class Comm:
     def uses_torch(self) -> bool:
         return self.torch_dist is not None
 
-    def barrier(self) -> None:
-        if self.torch_dist is not None and self.world_size > 1:
-            self.torch_dist.barrier(group=self.group)
+    def exchange(self, status: str | None) -> list[str | None]:
+        """Every rank's status (None = fine, else its error), via torch.distributed on the checkpoint group."""
+        if self.torch_dist is None or self.world_size == 1:
+            return [status]
+        statuses: list[str | None] = [None] * self.world_size
+        self.torch_dist.all_gather_object(statuses, status, group=self.group)
+        return statuses
 
 
 _ckpt_group: Any = None

@@ -468,6 +468,10 @@ class Save:
             err = e
         except OSError as e:
             err = os_error(e, self.dir)
+        except Exception as e:
+            # Still take part in the ranks' agreement below, so no other rank waits forever.
+            err = UserError(f"rank {self.comm.rank} failed while writing {self.cid.name}: {e!r}")
+            err.__cause__ = e
         except BaseException as e:
             self.abort(e)
             raise
@@ -535,8 +539,7 @@ class Save:
     def _agree(self, err: UserError | None, stage: str) -> None:
         """Every rank learns whether every rank got through `stage`; raises on any failure."""
         if self.comm.uses_torch and self.comm.world_size > 1:
-            statuses: list[Any] = [None] * self.comm.world_size
-            self.comm.torch_dist.all_gather_object(statuses, None if err is None else str(err), group=self.comm.group)
+            statuses = self.comm.exchange(None if err is None else str(err))
             bad = [(r, m) for r, m in enumerate(statuses) if m is not None]
             if err is not None:
                 raise err
