@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -91,6 +92,14 @@ class LocalBackend(TierBackend):
         base = self.rel(ckpt_dir)
         items = [(f"{base}/{f.path}", str(ckpt_dir / f.path)) for f in manifest.files]
         self.store.download_many(items, progress)
+        # Give each file back the mtime it was exported with (like `rsync -t`), so the
+        # exporter does not see restored files as changed and upload them again.
+        blobs = self.store.listing(base)
+        for rel, dest in items:
+            b = blobs.get(rel)
+            mtime = b.metadata.get(blobstore.META_MTIME) if b else None
+            if b is not None and mtime and mtime.isdigit() and os.path.getsize(dest) == b.size:
+                os.utime(dest, ns=(int(mtime), int(mtime)))
 
 
 class AmlfsBackend(TierBackend):
