@@ -67,8 +67,9 @@ class TierBackend(ABC):
         """Free the data of archived files but keep their names (AMLFS only)."""
 
     @abstractmethod
-    def prefetch(self, paths: Sequence[str]) -> int:
-        """Make released files resident again; returns how many needed it."""
+    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> int:
+        """Make released files resident again; returns how many needed it. `progress` gets the
+        bytes of each file as it becomes resident."""
 
     @abstractmethod
     def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> None:
@@ -85,7 +86,7 @@ class LocalBackend(TierBackend):
     def release(self, paths: Sequence[str]) -> None:
         raise ConfigError("retention action release needs backend amlfs (lfs hsm_release); use --action delete with the local back-end")
 
-    def prefetch(self, paths: Sequence[str]) -> int:
+    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> int:
         return 0
 
     def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> None:
@@ -125,15 +126,19 @@ class AmlfsBackend(TierBackend):
     def release(self, paths: Sequence[str]) -> None:
         self.lfs.release(paths)
 
-    def prefetch(self, paths: Sequence[str]) -> int:
+    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> int:
         states, errors = self.lfs.states(paths)
         if errors:
             p, e = next(iter(errors.items()))
             raise IntegrityError(f"cannot read the HSM state of {p}: {e}")
         released = [p for p in paths if states[p].released]
         if released:
+            def resident(done: list[str]) -> None:
+                if progress is not None:
+                    progress(sum(os.path.getsize(p) for p in done))
+
             self.lfs.restore(released)
-            self.lfs.wait_resident(released, self.restore_timeout, self.poll)
+            self.lfs.wait_resident(released, self.restore_timeout, self.poll, resident)
         return len(released)
 
     def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> None:
@@ -158,8 +163,7 @@ class AmlfsBackend(TierBackend):
             if time.monotonic() > deadline:
                 raise UnavailableError(f"{len(missing)} files of {manifest.name} did not appear after the import (first: {missing[0]})")
             time.sleep(self.poll)
-        self.prefetch(paths)
-        progress(manifest.total_bytes)
+        self.prefetch(paths, progress)
 
 
 def make_jobs(cfg: NodeConfig) -> ImportJobs:

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -207,7 +207,8 @@ class Lfs:
     def archive(self, paths: Sequence[str]) -> None:
         self._request("hsm_archive", paths)
 
-    def wait_resident(self, paths: Sequence[str], timeout: float, poll: float = 1.0) -> None:
+    def wait_resident(self, paths: Sequence[str], timeout: float, poll: float = 1.0,
+                      on_resident: Callable[[list[str]], None] | None = None) -> None:
         """Poll hsm_state until no file is released; hsm_restore only queues the copy."""
         pending = list(paths)
         deadline = time.monotonic() + timeout
@@ -216,6 +217,9 @@ class Lfs:
             if errors:
                 p, e = next(iter(errors.items()))
                 raise UserError(f"cannot read the HSM state of {p}: {e}", exit_code=1)
+            done = [p for p in pending if not states[p].released]
+            if done and on_resident is not None:
+                on_resident(done)
             pending = [p for p in pending if states[p].released]
             if not pending:
                 return

@@ -158,7 +158,8 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
 
     if target.where == "accelerator":
         paths = [str(ckpt_dir / f.path) for f in m.files]
-        prefetched = backend.prefetch(paths)
+        with byte_progress(f"hsm_restore {m.name}", m.total_bytes, enabled=progress and backend.kind == "amlfs") as bar:
+            prefetched = backend.prefetch(paths, bar.advance)
         problems = mf.size_problems(ckpt_dir, m)
         if problems:
             raise IntegrityError(f"checkpoint {m.name}: {problems[0]}")
