@@ -39,10 +39,15 @@ class Source:
     address: int | None            # start address, for a GIL-free memmove
     obj: Any                       # the caller's object: kept alive, re-checked for resizes
     signature: tuple[int, int | None]
+    device_bytes: Any = None       # flat uint8 view of a tensor in device (GPU) memory
 
     def copy_into(self, offset: int, out: memoryview, out_address: int | None = None) -> None:
         n = len(out)
-        if self.kind == "stream":
+        if self.device_bytes is not None:
+            import torch
+
+            torch.frombuffer(out, dtype=torch.uint8).copy_(self.device_bytes[offset:offset + n])
+        elif self.kind == "stream":
             self.obj.copy_into(offset, out)
         elif self.address is not None and out_address is not None:
             # ctypes releases the GIL around memmove, so copies overlap with hashing threads.
@@ -97,10 +102,13 @@ def to_source(name: str, obj: Any) -> Source:
         import torch  # already imported by the caller (checked by _is_torch)
 
         t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
         if not t.is_contiguous():
             raise UserError(f"tensor {name!r} is not contiguous; save tensor.contiguous() instead")
+        if t.device.type != "cpu":
+            # Device memory is copied block by block straight into the pool (bounded host memory;
+            # for an async save this device-to-host copy is the snapshot).
+            return Source(name, int(t.numel() * t.element_size()), "torch", str(obj.dtype).removeprefix("torch."),
+                          list(obj.shape), None, None, obj, signature(obj), t.reshape(-1).view(torch.uint8))
         flat = t.reshape(-1).view(torch.uint8).numpy()
         mv = memoryview(flat)
         return Source(name, mv.nbytes, "torch", str(obj.dtype).removeprefix("torch."), list(obj.shape), mv,

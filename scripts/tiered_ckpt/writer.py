@@ -431,8 +431,8 @@ class Save:
                 )
         stale = _own_files(self.dir, self.comm.rank)
         torn = marker.exists()
-        if self.comm.world_size == 1 and existed and any(os.scandir(self.dir)):
-            stale = [Path(e.path) for e in os.scandir(self.dir)]
+        if self.comm.world_size == 1 and existed:
+            stale = sorted(self.dir.iterdir())   # single writer: the whole unfinished directory is its own
         if (stale or torn) and not self.overwrite_incomplete:
             raise ConflictError(
                 f"{self.dir} holds an earlier save of {self.cid.name} that never committed (no valid {mf.MARKER}); "
