@@ -170,6 +170,11 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
 
     # Only in the archive. A marker left here is stale (the directory is not committed):
     # remove it before any data arrives so the directory never looks complete too early.
+    # A journal entry left by a killed retention run would let the next run take this
+    # directory, still without its marker, for an interrupted delete: drop it first.
+    from .retention import forget
+
+    forget(root, cfg.model, m.name)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     stale = ckpt_dir / mf.MARKER
     if stale.exists():

@@ -231,6 +231,11 @@ def plan(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | 
     return Plan(cfg.model, policy, decide(candidates(cfg, backend), policy, now), now.isoformat())
 
 
+def forget(root: str | os.PathLike[str], model: str, name: str) -> None:
+    """Drop the journal entry of `name` (restore calls this before it brings a checkpoint back)."""
+    (journal_dir(root, model) / f"{name}.deleting").unlink(missing_ok=True)
+
+
 def _journal_add(root: str, model: str, name: str) -> Path:
     d = journal_dir(root, model)
     d.mkdir(parents=True, exist_ok=True)
@@ -252,10 +257,12 @@ def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime |
         pl = plan(cfg, backend, policy, now)
         res = ApplyResult(pl)
         model_dir = mf.model_dir(cfg.root, cfg.model)
-        # Leftover journal entries whose directory is already gone: just drop them.
+        # Leftover journal entries whose directory is gone, or committed again (a restore
+        # brought it back): drop them, so they can never mark a later restore for deletion.
         for name in journaled(cfg.root, cfg.model):
-            if parse_name(name) is None or not (model_dir / name).exists():
-                (journal_dir(cfg.root, cfg.model) / f"{name}.deleting").unlink(missing_ok=True)
+            where = model_dir / name
+            if parse_name(name) is None or not where.exists() or mf.read_marker(where) is not None:
+                forget(cfg.root, cfg.model, name)
         to_release: list[str] = []
         for d in pl.decisions:
             path = model_dir / d.name

@@ -188,6 +188,14 @@ def test_sigkill_mid_apply_then_rerun_finishes(env, tmp_path: Path) -> None:
     backend = LocalBackend(cfg, store)
     assert mf.latest_committed(cfg.root, "m").name == "global_epoch0_step30"  # type: ignore[union-attr]
     assert choose(cfg, backend, "global_epoch0_step10").where == "archive"        # never taken as resident
+    # Restoring it instead of finishing the delete: the journal entry goes, and retention
+    # no longer sees an interrupted delete (it is committed again).
+    restore(cfg, backend, "global_epoch0_step10", verify=True, progress=False)
+    assert not (Path(cfg.root) / "m" / ".retention-journal" / "global_epoch0_step10.deleting").exists()
+    mf.remove_checkpoint(victim)     # as it was: half-deleted, journal entry back
+    (victim / "f0.bin").parent.mkdir(parents=True, exist_ok=True)
+    (victim / "f0.bin").write_bytes(b"x" * 100)
+    (Path(cfg.root) / "m" / ".retention-journal" / "global_epoch0_step10.deleting").write_text("t")
     plan = {d.name: d.action for d in ret.plan(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).decisions}
     assert plan["global_epoch0_step10"] == "resume-delete"
     rc = cli.main(["retention", "apply", "--config", str(cfg_file), "--json"])
