@@ -183,8 +183,15 @@ class Lfs:
                     f"`lfs hsm_state` printed output this tool cannot parse near {todo[0]!r}: "
                     f"{r.stdout[:200]!r}; report the Lustre client version (lfs --version)"
                 )
-            # lfs stops at the first file it cannot stat; note it and ask about the rest.
-            errors[todo[0]] = (r.stderr.strip().splitlines() or [f"lfs exit {r.returncode}"])[-1]
+            # lfs stops at the first file it cannot stat; note it and ask about the rest. Any
+            # other failure (not Lustre, no HSM) would repeat for every file: stop at once.
+            msg = (r.stderr.strip().splitlines() or [f"lfs exit {r.returncode}"])[-1]
+            if "No such file" not in msg:
+                raise UnavailableError(
+                    f"`lfs hsm_state` failed on {todo[0]}: {msg}; check that the checkpoint root is on the "
+                    "AMLFS mount with HSM (blob integration) and that amlfs.lfs is the Lustre client's lfs"
+                )
+            errors[todo[0]] = msg
             todo = todo[1:]
         return states, errors
 

@@ -78,3 +78,15 @@ def test_release_restore_and_dirty_after_write(tmp_path: Path, fake_lfs: Path) -
 def test_missing_binary_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(UnavailableError, match="amlfs.lfs"):
         Lfs(str(tmp_path / "no-lfs")).states([str(tmp_path)])
+
+
+def test_a_failure_other_than_a_missing_file_stops_at_once(tmp_path: Path) -> None:
+    """Not on Lustre: lfs fails for every file; one clear error, not one process per file."""
+    lfs_bin = tmp_path / "lfs"
+    calls = tmp_path / "calls"
+    lfs_bin.write_text(f'#!/bin/sh\necho x >> {calls}\necho "can\'t get hsm state for $2: Inappropriate ioctl for device" >&2\nexit 25\n')
+    lfs_bin.chmod(0o755)
+    files = [str(tmp_path / f"f{i}") for i in range(50)]
+    with pytest.raises(UnavailableError, match="Inappropriate ioctl.*AMLFS mount"):
+        Lfs(str(lfs_bin), batch=100, parallel=1).states(files)
+    assert len(calls.read_text().splitlines()) == 1
