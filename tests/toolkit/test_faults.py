@@ -168,3 +168,28 @@ def test_zero_copy_round_trip(cfg: NodeConfig) -> None:
     h = tc.async_save({"d": data}, epoch=0, step=1, config=cfg, zero_copy=True)
     h.wait(60)
     assert bytes(tc.load(config=cfg, verify_hash=True)["d"]) == data
+
+
+def test_snapshot_detects_a_buffer_resized_by_another_thread(cfg: NodeConfig, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started, resized = threading.Event(), threading.Event()
+    real_fill = writer._Pipeline._fill
+
+    def fill(self: writer._Pipeline, *a: object) -> None:
+        started.set()
+        resized.wait(30)
+        real_fill(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer._Pipeline, "_fill", fill)
+    arr = np.zeros(1000, dtype=np.float64)
+
+    def other_thread() -> None:
+        started.wait(30)
+        arr.resize(500, refcheck=False)
+        resized.set()
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    with pytest.raises(IntegrityError, match="changed size from 8000 to 4000 bytes.*nothing was committed"):
+        tc.async_save({"a": arr}, epoch=0, step=1, config=cfg, staging_bytes=4 << 20)
+    t.join()
+    assert not (root / "m" / "global_epoch0_step1").exists()
