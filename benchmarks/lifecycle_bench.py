@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=2000, help="files per lfs call (amlfs.hsm_batch)")
     ap.add_argument("--restore-mib", type=int, default=256)
     ap.add_argument("--restore-files", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     ap.add_argument("--only", choices=("proof", "restore"), help="run one of the two")
     args, _ = ap.parse_known_args(argv)
