@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -32,7 +33,8 @@ def print_error(message: str, *, as_json: bool = False, exit_code: int = 1) -> N
     if as_json:
         print_json({"ok": False, "error": message, "exit_code": exit_code})
     else:
-        stderr.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+        # One line however long (logs, grep), and the message's own brackets are not markup.
+        stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

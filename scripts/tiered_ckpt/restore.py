@@ -149,7 +149,11 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
             progress: bool = True, on_bytes: Callable[[int], None] | None = None) -> RestoreResult:
     """Make checkpoint `name` (or the newest committed anywhere) readable; see the module doc."""
     root = Path(cfg.root)
-    root.mkdir(parents=True, exist_ok=True)
+    if cfg.backend == "amlfs":
+        # Never create the root: with AMLFS not mounted, that would restore onto the OS disk.
+        mf.require_root(root)
+    else:
+        root.mkdir(parents=True, exist_ok=True)   # local mode: the directory is the accelerator layer
     warnings: list[str] = []
     target = choose(cfg, backend, name, warnings)
     m = target.manifest

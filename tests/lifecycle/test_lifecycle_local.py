@@ -302,7 +302,9 @@ def test_export_watch_runs_until_sigterm(env, tmp_path: Path) -> None:
     try:
         make_checkpoint(cfg.root, "m", 0, 10)
         deadline = time.monotonic() + 20
-        while "checkpoints/m/global_epoch0_step10/COMMITTED.json" not in blob_names(cc):
+        # Exported, and that iteration recorded (a SIGTERM mid-iteration records nothing).
+        while "checkpoints/m/global_epoch0_step10/COMMITTED.json" not in blob_names(cc) or not (
+                (s := read_status(st_file)) and s.last_iteration and s.last_iteration["files_exported"]):
             assert time.monotonic() < deadline, "the exporter did not export within 20 s"
             time.sleep(0.1)
     finally:
