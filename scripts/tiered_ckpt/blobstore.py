@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
@@ -24,6 +24,8 @@ from azure.storage.blob import BlobServiceClient, ContainerClient
 from .config import ArchiveConfig
 from .errors import ConfigError, UnavailableError, UserError
 from .hashing import new_hasher
+from .manifest import MARKER, Manifest
+from .naming import parse_name
 
 T = TypeVar("T")
 
@@ -243,3 +245,35 @@ class BlobStore:
 
         self.retry(f"creating {self.where}", go)
 
+
+
+@dataclass(frozen=True)
+class ArchivedMarker:
+    """A commit marker found in Blob: `<model>/<name>/COMMITTED.json` under the prefix."""
+
+    rel: str
+    model: str
+    name: str
+    size: int
+    manifest: Manifest | None     # None when it does not count; `problem` says why
+    problem: str = ""
+
+
+def archived_markers(store: BlobStore, listing: Mapping[str, BlobInfo]) -> Iterator[ArchivedMarker]:
+    """Every marker in a listing, parsed: the archive side of "scan markers, trust no pointer"."""
+    for rel in sorted(listing):
+        parts = rel.split("/")
+        if len(parts) != 3 or parts[2] != MARKER or parse_name(parts[1]) is None:
+            continue
+        data = store.get_bytes(rel)
+        if data is None:       # deleted since the listing
+            continue
+        try:
+            m = Manifest.from_json(data)
+        except ValueError as e:
+            yield ArchivedMarker(rel, parts[0], parts[1], len(data), None, f"does not parse ({e})")
+            continue
+        if m.name != parts[1]:
+            yield ArchivedMarker(rel, parts[0], parts[1], len(data), None, f"names checkpoint {m.name}, not {parts[1]}")
+            continue
+        yield ArchivedMarker(rel, parts[0], parts[1], len(data), m)

@@ -24,11 +24,11 @@ from typing import Any
 
 from . import manifest as mf
 from .backends import TierBackend
-from .blobstore import BlobStore
+from .blobstore import BlobStore, archived_markers
 from .config import NodeConfig
 from .errors import IntegrityError, UnavailableError, UserError
 from .hashing import hash_path
-from .naming import parse_name, require_name
+from .naming import require_name
 from .output import byte_progress
 
 
@@ -64,18 +64,9 @@ def archive_committed(store: BlobStore, model: str) -> list[mf.Manifest]:
     """Checkpoints committed in Blob: marker parses, names itself, every file present with its size."""
     blobs = store.listing(model)
     out = []
-    for rel in sorted(blobs):
-        parts = rel.split("/")
-        if len(parts) != 3 or parts[2] != mf.MARKER or parse_name(parts[1]) is None:
-            continue
-        data = store.get_bytes(rel)
-        if data is None:
-            continue
-        try:
-            m = mf.Manifest.from_json(data)
-        except ValueError:
-            continue
-        if m.name != parts[1]:
+    for marker in archived_markers(store, blobs):
+        m = marker.manifest
+        if m is None:
             continue
         base = f"{model}/{m.name}/"
         if all((b := blobs.get(base + f.path)) is not None and b.size == f.size for f in m.files):

@@ -22,7 +22,6 @@ from typing import Any
 from . import manifest as mf
 from .arm import AmlfsJobs, AmlfsTarget, ArchiveProgress, ArmNotFoundError
 from .errors import EXIT_FAILED, ConfigError, UserError
-from .naming import parse_name
 from .output import human_bytes, print_json
 from .pulumi_cli import PulumiCli
 from .teardown_gate import CheckpointRecord, Evidence, ExportState, GateResult, ManualArchive, evaluate
@@ -180,28 +179,21 @@ def lustre_checkpoints(mount: Path, prefix: str) -> tuple[tuple[CheckpointRecord
 
 def blob_evidence(store: Any, with_markers: bool) -> tuple[dict[str, int], tuple[CheckpointRecord, ...], tuple[tuple[str, str], ...]]:
     """(relative path -> size under the prefix, checkpoints whose markers parse, bad markers)."""
-    listing = {rel: b.size for rel, b in store.listing("").items()}
+    blobs = store.listing("")
+    listing = {rel: b.size for rel, b in blobs.items()}
     records: list[CheckpointRecord] = []
     bad: list[tuple[str, str]] = []
     if not with_markers:
         return listing, (), ()
-    for rel in sorted(listing):
-        parts = rel.split("/")
-        if len(parts) != 3 or parts[2] != mf.MARKER or parse_name(parts[1]) is None:
+    from .blobstore import archived_markers
+
+    for marker in archived_markers(store, blobs):
+        m = marker.manifest
+        if m is None:
+            bad.append((marker.rel, marker.problem))
             continue
-        data = store.get_bytes(rel)
-        if data is None:
-            continue
-        try:
-            m = mf.Manifest.from_json(data)
-        except ValueError as e:
-            bad.append((rel, f"does not parse ({e})"))
-            continue
-        if m.name != parts[1]:
-            bad.append((rel, f"names checkpoint {m.name}, not {parts[1]}"))
-            continue
-        records.append(CheckpointRecord(model=parts[0], name=m.name, committed_utc=_parse_utc(m.created_utc),
-                                        files=tuple((f.path, f.size) for f in m.files), marker_size=len(data)))
+        records.append(CheckpointRecord(model=marker.model, name=m.name, committed_utc=_parse_utc(m.created_utc),
+                                        files=tuple((f.path, f.size) for f in m.files), marker_size=marker.size))
     return listing, tuple(records), tuple(bad)
 
 
