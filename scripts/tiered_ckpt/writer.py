@@ -24,6 +24,7 @@ import errno
 import json
 import os
 import queue
+import shutil
 import threading
 import time
 from collections import deque
@@ -37,7 +38,7 @@ from . import manifest as mf
 from .buffers import Source
 from .distributed import Comm
 from .errors import ConflictError, IntegrityError, UserError
-from .hashing import new_hasher
+from .hashing import hash_path, new_hasher
 from .naming import CheckpointId
 from .staging import ALIGN, Aborted, BlockPool
 
@@ -402,6 +403,10 @@ class Save:
             self._prepare_dir()
         except UserError as e:
             err = e
+        except OSError as e:
+            # Removing a stale attempt can fail too (permissions, a vanished mount): one clear
+            # message, and under torch.distributed the other ranks learn of it instead of waiting.
+            err = os_error(e, self.dir)
         self._agree(err, "preparing")
         self.files = plan([s.nbytes for s in self.sources], self.opts.files, self.comm.rank)
         self.pipeline = _Pipeline(self.dir, self.files, self.sources, self.pool, self.opts, self.progress)
@@ -443,8 +448,6 @@ class Save:
         for p in stale:
             if p.name != mf.MARKER:
                 if p.is_dir() and not p.is_symlink():
-                    import shutil
-
                     shutil.rmtree(p)
                 else:
                     p.unlink(missing_ok=True)
@@ -587,8 +590,6 @@ class Save:
         for r, part in enumerate(parts):
             files += [mf.FileEntry(**f) for f in part["files"]]
             pp = self._part_path(r)
-            from .hashing import hash_path
-
             files.append(mf.FileEntry(pp.name, pp.stat().st_size, hash_path(str(pp)), r))
         index = {"save_id": self.save_id, "ranks": {str(r): p["index"] for r, p in enumerate(parts)}}
         m = mf.Manifest(epoch=self.cid.epoch, step=self.cid.step, files=files, world_size=self.comm.world_size, index=index)

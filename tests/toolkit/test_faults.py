@@ -47,6 +47,21 @@ def test_incomplete_directory_is_replaced_by_default_or_refused(cfg: NodeConfig,
     assert _committed_ok(d) and bytes(tc.load(config=cfg)["a"]) == b"new"
 
 
+def test_stale_attempt_that_cannot_be_removed_is_a_user_error(cfg: NodeConfig, root: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clearing a crashed attempt can fail (permissions, a vanished mount): one message, no traceback."""
+    d = root / "m" / "global_epoch0_step3"
+    (d / "sub").mkdir(parents=True)
+
+    def refuse(path: object, *a: object, **k: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(writer.shutil, "rmtree", refuse)
+    with pytest.raises(UserError, match=r"cannot write .*global_epoch0_step3.*not committed"):
+        tc.save({"a": b"new"}, epoch=0, step=3, config=cfg)
+    assert mf.read_marker(d) is None
+
+
 def test_missing_root_is_a_user_error(cfg: NodeConfig, tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"does not exist.*--root"):
         tc.save({"a": b"x"}, epoch=0, step=1, config=cfg, root=tmp_path / "nope")
