@@ -86,8 +86,8 @@ def cmd_bench(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
         save.produce()
         result = save.finish()
         write_s = time.perf_counter() - t0
-    info = mf.find(root, cfg.model, cid.name)
-    assert info is not None and info.manifest is not None
+    info = mf.inspect(cfg.model, Path(result.path), cid)   # just this directory, not a scan of the model
+    assert info.manifest is not None
     m = info.manifest
     cache_dropped = opts.direct or _drop_page_cache()
     try:
@@ -143,7 +143,8 @@ def _disk_usage(path: Path) -> tuple[int, int]:
 def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     root = mf.require_root(cfg.root)
     infos = mf.scan(root, cfg.model)
-    latest = mf.latest_committed(root, cfg.model)
+    done = mf.committed(infos)
+    latest = done[-1] if done else None       # scan is oldest first; not a second scan
     rows: list[dict[str, Any]] = []
     for c in infos:
         if c.manifest is not None:

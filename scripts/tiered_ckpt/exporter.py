@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -105,6 +106,7 @@ class Exporter:
             return out
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
             for n in filenames:
                 if n.startswith("."):
                     continue
@@ -113,9 +115,9 @@ class Exporter:
                     st = os.lstat(p)
                 except FileNotFoundError:
                     continue
-                if not os.path.isfile(p) or os.path.islink(p):
+                if not stat.S_ISREG(st.st_mode):     # lstat: symlinks are not regular files
                     continue
-                out[Path(p).relative_to(self.root).as_posix()] = st
+                out[n if rel_dir == "." else f"{rel_dir}/{n}"] = st
         return out
 
     @staticmethod
