@@ -12,6 +12,7 @@ checkpoint whose marker is not archived could not be found again), must be prove
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,8 +80,13 @@ def _expected(info: CheckpointInfo) -> list[tuple[str, int, str | None]]:
     return out
 
 
-def prove(backend: TierBackend, infos: list[CheckpointInfo]) -> dict[str, CheckpointProof]:
-    """Proofs for committed checkpoints (others are skipped), keyed by checkpoint name."""
+def prove(backend: TierBackend, infos: list[CheckpointInfo],
+          listing: Mapping[str, BlobInfo] | None = None) -> dict[str, CheckpointProof]:
+    """Proofs for committed checkpoints (others are skipped), keyed by checkpoint name.
+
+    `listing`: the caller's own BlobStore.listing of the checkpoints' models, so that a caller
+    that needs it anyway (status) lists the archive once; it must be no older than `infos`.
+    """
     committed = [c for c in infos if c.manifest is not None]
     if not committed:
         return {}
@@ -93,11 +99,14 @@ def prove(backend: TierBackend, infos: list[CheckpointInfo]) -> dict[str, Checkp
     if hsm is not None:
         states, hsm_errors = hsm
 
-    blobs: dict[str, BlobInfo] | None = None
-    if hsm is None or backend.archive_configured:
-        blobs = {}
+    blobs: Mapping[str, BlobInfo] | None = None
+    if listing is not None:
+        blobs = listing
+    elif hsm is None or backend.archive_configured:
+        fetched: dict[str, BlobInfo] = {}
         for model in sorted({c.model for c in committed}):
-            blobs.update(backend.store.listing(model))
+            fetched.update(backend.store.listing(model))
+        blobs = fetched
 
     local = hsm is None
     out: dict[str, CheckpointProof] = {}

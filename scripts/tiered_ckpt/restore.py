@@ -16,7 +16,7 @@ failed restore leaves a directory without a marker, which no scan ever takes as 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +24,7 @@ from typing import Any
 
 from . import manifest as mf
 from .backends import TierBackend
-from .blobstore import BlobStore, archived_markers
+from .blobstore import BlobInfo, BlobStore, archived_markers
 from .config import NodeConfig
 from .errors import IntegrityError, UnavailableError, UserError
 from .hashing import hash_path
@@ -60,9 +60,12 @@ class RestoreResult:
                 "files": self.files, "prefetched_files": self.prefetched_files, "warnings": self.warnings}
 
 
-def archive_committed(store: BlobStore, model: str) -> list[mf.Manifest]:
-    """Checkpoints committed in Blob: marker parses, names itself, every file present with its size."""
-    blobs = store.listing(model)
+def archive_committed(store: BlobStore, model: str, listing: Mapping[str, BlobInfo] | None = None) -> list[mf.Manifest]:
+    """Checkpoints committed in Blob: marker parses, names itself, every file present with its size.
+
+    `listing`: the model's blobs when the caller has listed them already (status).
+    """
+    blobs = store.listing(model) if listing is None else listing
     out = []
     for marker in archived_markers(store, blobs):
         m = marker.manifest

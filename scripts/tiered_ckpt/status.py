@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 from . import manifest as mf
 from .backends import TierBackend, make_jobs
+from .blobstore import BlobInfo
 from .errors import UserError
 from .exporter import Exporter, default_status_path, read_status
 from .naming import CheckpointId, parse_name
@@ -83,8 +85,11 @@ def _files_under(d: Path) -> dict[str, os.stat_result]:
     return out
 
 
-def backlog(backend: TierBackend, model_dir: Path) -> Backlog:
-    """Files under the model directory not yet in the archive (committed or not)."""
+def backlog(backend: TierBackend, model_dir: Path, listing: Mapping[str, BlobInfo] | None = None) -> Backlog:
+    """Files under the model directory not yet in the archive (committed or not).
+
+    `listing`: the model's blobs when the caller has listed them already.
+    """
     files = _files_under(model_dir)
     if not files:
         return Backlog()
@@ -94,7 +99,7 @@ def backlog(backend: TierBackend, model_dir: Path) -> Backlog:
         states, errors = hsm
         pending = [p for p in files if p in errors or not states[p].archived]
     else:
-        blobs = backend.store.listing(model_dir.name)
+        blobs = backend.store.listing(model_dir.name) if listing is None else listing
         root = Path(backend.cfg.root)
         pending = [p for p, st in files.items() if Exporter.changed(st, blobs.get(Path(p).relative_to(root).as_posix()))]
     now = time.time()
@@ -134,12 +139,22 @@ def gather(backend: TierBackend, policy: Policy | None = None,
     policy = policy or Policy.from_config(cfg.retention)
     out = Status(cfg.model, backend.kind, str(cfg.root))
     infos = mf.scan(cfg.root, cfg.model)
+    # One listing of the model's blobs serves the proof, the archive-only checkpoints and the
+    # backlog: on a large model each listing is many pages, and an unreachable archive would
+    # otherwise be retried (with backoff) once per use.
+    blobs: dict[str, BlobInfo] | None = None
+    archive_err: UserError | None = None
+    if backend.archive_configured:
+        try:
+            blobs = backend.store.listing(cfg.model)
+        except UserError as e:
+            archive_err = e
     proofs: dict[str, CheckpointProof] = {}
-    archive_ok = True
     try:
-        proofs = prove(backend, infos)
+        if archive_err is not None:
+            raise archive_err
+        proofs = prove(backend, infos, blobs)
     except UserError as e:
-        archive_ok = False
         out.warnings.append(f"archive proof unavailable: {e}")
     pending = journaled(cfg.root, cfg.model)
     for c in infos:
@@ -159,9 +174,9 @@ def gather(backend: TierBackend, policy: Policy | None = None,
             tier, detail = "not yet archived", p.blocked_reason()
         out.checkpoints.append(CheckpointStatus(c.name, tier, c.manifest.total_bytes, detail))
     local_names = {c.name for c in infos if c.committed}
-    if archive_ok and backend.archive_configured:
+    if blobs is not None:
         try:
-            for m in archive_committed(backend.store, cfg.model):
+            for m in archive_committed(backend.store, cfg.model, blobs):
                 if m.name not in local_names:
                     out.checkpoints.append(CheckpointStatus(m.name, "only in archive", m.total_bytes,
                                                             "restore: download (local) / import job (AMLFS)"))
@@ -169,7 +184,9 @@ def gather(backend: TierBackend, policy: Policy | None = None,
             out.warnings.append(f"archive listing unavailable: {e}")
     out.checkpoints.sort(key=lambda s: parse_name(s.name) or CheckpointId(0, 0))
     try:
-        out.backlog = backlog(backend, mf.model_dir(cfg.root, cfg.model))
+        if archive_err is not None and backend.kind == "local":
+            raise archive_err       # local mode measures the backlog against the archive
+        out.backlog = backlog(backend, mf.model_dir(cfg.root, cfg.model), blobs)
     except UserError as e:
         out.backlog = Backlog(note=f"unknown: {e}")
     out.export = export_job(backend, export_status_path)

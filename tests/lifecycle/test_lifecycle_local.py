@@ -314,3 +314,20 @@ def test_export_watch_runs_until_sigterm(env, tmp_path: Path) -> None:
     assert "stand-in for AMLFS auto-export" in err
     st = read_status(st_file)
     assert st is not None and st.iterations >= 1 and st.last_successful_iteration_utc
+
+
+def test_status_lists_the_archive_once(env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Proof, archive-only checkpoints and backlog share one listing (each is many pages on a large model)."""
+    cfg, store, _ = env
+    make_checkpoint(cfg.root, "m", 0, 10)
+    calls: list[str] = []
+    real = store.listing
+
+    def counted(prefix: str):
+        calls.append(prefix)
+        return real(prefix)
+
+    monkeypatch.setattr(store, "listing", counted)
+    st = gather(LocalBackend(cfg, store), export_status_path=tmp_path / "none.json")
+    assert calls == ["m"]
+    assert [c.tier for c in st.checkpoints] == ["not yet archived"] and st.backlog.files == 3
