@@ -131,8 +131,13 @@ if ! modinfo lustre >/dev/null 2>&1; then
   curl -fsSL https://packages.microsoft.com/keys/microsoft.asc | gpg --dearmor --yes -o /usr/share/keyrings/microsoft-amlfs.gpg
   echo "deb [arch=amd64 signed-by=/usr/share/keyrings/microsoft-amlfs.gpg] https://packages.microsoft.com/repos/amlfs-${{VERSION_CODENAME}}/ ${{VERSION_CODENAME}} main" > /etc/apt/sources.list.d/amlfs.list
   apt-get update -q
-  pkg=$(apt-cache search --names-only '^amlfs-lustre-client-' | awk '{{print $1}}' | sort -V | tail -n 1)
-  [ -n "$pkg" ] || {{ log "no amlfs-lustre-client package found"; exit 1; }}
+  # Each amlfs-lustre-client-<lustre version> package has one version per kernel it was built for; the
+  # newest Lustre release may not be built yet for this image's kernel, so take the newest that is.
+  pkg=""
+  for p in $(apt-cache search --names-only '^amlfs-lustre-client-' | awk '{{print $1}}' | sort -rV); do
+    if apt-cache madison "$p" | awk -F'|' '{{gsub(/ /, "", $2); print $2}}' | grep -qxF "$(uname -r)"; then pkg=$p; break; fi
+  done
+  [ -n "$pkg" ] || {{ log "no amlfs-lustre-client package is built for kernel $(uname -r)"; exit 1; }}
   apt-get install -y -q "$pkg=$(uname -r)"
   apt-mark hold "$pkg"
 fi

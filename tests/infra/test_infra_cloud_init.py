@@ -131,3 +131,38 @@ def test_toolkit_tarball_is_deterministic_and_installable(tmp_path: Path) -> Non
         assert "pyproject.toml" in names and "scripts/tiered_ckpt/cli.py" in names and "scripts/tiered_ckpt/config.py" in names
         assert not any("__pycache__" in n for n in names)
         assert all(m.mtime == 0 and m.uid == 0 for m in tar.getmembers())
+
+
+def test_lustre_client_fallback_picks_the_newest_client_built_for_the_running_kernel(plan: Plan, tmp_path: Path) -> None:
+    # apt-cache shaped like the AMLFS apt repo: the newest Lustre release has no build for this kernel yet.
+    boot = yaml.safe_load(custom_data(plan("prod")))["write_files"]
+    script = next(f["content"] for f in boot if f["path"] == "/usr/local/sbin/tiered-ckpt-bootstrap")
+    block = re.search(r'\n(\s*pkg=""\n.*?\n\s*\[ -n "\$pkg" \][^\n]*)\n', script, re.S)
+    assert block, "the client selection block is missing from the bootstrap"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "uname").write_text("#!/bin/sh\necho 5.15.0-1061-azure\n")
+    (bin_dir / "apt-cache").write_text("""#!/bin/sh
+if [ "$1" = search ]; then
+  echo "amlfs-lustre-client-2.15.4-42-gd6e6e4b - Lustre client for AMLFS"
+  echo "amlfs-lustre-client-2.16.1-14-gbc76492 - Lustre client for AMLFS"
+  echo "amlfs-lustre-client-2.15.1-24-gbaa21ca - Lustre client for AMLFS"
+  exit 0
+fi
+case "$2" in
+  amlfs-lustre-client-2.16.1-14-gbc76492) echo " $2 | 6.5.0-1025-azure | https://packages.microsoft.com/repos/amlfs-jammy jammy/main amd64 Packages" ;;
+  *) echo " $2 | 5.15.0-1061-azure | https://packages.microsoft.com/repos/amlfs-jammy jammy/main amd64 Packages"
+     echo " $2 | 5.15.0-1060-azure | https://packages.microsoft.com/repos/amlfs-jammy jammy/main amd64 Packages" ;;
+esac
+""")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    run = subprocess.run(["bash", "-euc", 'log() { echo "$*"; }\n' + block.group(1) + '\necho "picked $pkg"'],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().endswith("picked amlfs-lustre-client-2.15.4-42-gd6e6e4b")
+    (bin_dir / "uname").write_text("#!/bin/sh\necho 6.8.0-1001-azure\n")
+    run = subprocess.run(["bash", "-euc", 'log() { echo "$*"; }\n' + block.group(1) + '\necho "picked $pkg"'],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert run.returncode == 1 and "no amlfs-lustre-client package is built for kernel 6.8.0-1001-azure" in run.stdout
