@@ -30,6 +30,7 @@ from .errors import IntegrityError, UnavailableError, UserError
 from .hashing import hash_path
 from .naming import require_name
 from .output import byte_progress
+from .writer import os_error
 
 
 @dataclass(frozen=True)
@@ -184,12 +185,20 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
             if on_bytes is not None:
                 on_bytes(n)
 
-        backend.rehydrate(m, ckpt_dir, advance)
+        try:
+            backend.rehydrate(m, ckpt_dir, advance)
+        except OSError as e:
+            # The local side of a download (ENOSPC, EACCES, ...): the blob store only turns the
+            # archive's own errors into UserErrors. No marker yet, so nothing looks restored.
+            raise os_error(e, e.filename or ckpt_dir) from None
     problems = mf.size_problems(ckpt_dir, m)
     if problems:
         raise IntegrityError(f"restored checkpoint {m.name} is incomplete: {problems[0]}; re-run restore")
     if verify:
         verify_hashes(ckpt_dir, m, cfg.archive.concurrency)
     if mf.read_marker(ckpt_dir) is None:      # AMLFS imports bring the marker themselves
-        mf.write_marker(ckpt_dir, m)
+        try:
+            mf.write_marker(ckpt_dir, m)
+        except OSError as e:
+            raise os_error(e, ckpt_dir / mf.MARKER) from None
     return RestoreResult(m.name, str(ckpt_dir), "archive", m.total_bytes, time.monotonic() - t0, verify, len(m.files))

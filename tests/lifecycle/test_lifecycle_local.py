@@ -331,3 +331,26 @@ def test_status_lists_the_archive_once(env, tmp_path: Path, monkeypatch: pytest.
     st = gather(LocalBackend(cfg, store), export_status_path=tmp_path / "none.json")
     assert calls == ["m"]
     assert [c.tier for c in st.checkpoints] == ["not yet archived"] and st.backlog.files == 3
+
+
+def test_restore_onto_a_full_disk_is_one_user_error(env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local write failure while downloading (ENOSPC) names the file and the fix; nothing looks restored."""
+    import errno
+
+    from tiered_ckpt.errors import UserError
+
+    cfg, store, _ = env
+    d = make_checkpoint(cfg.root, "m", 0, 10)
+    Exporter(cfg, store, status_path=Path(cfg.root).parent / "st.json").iterate()
+    mf.remove_checkpoint(d)
+    real = store.download_file
+
+    def full(rel: str, dest: str, *a, **k):
+        if rel.endswith(".bin"):
+            raise OSError(errno.ENOSPC, "No space left on device", dest)
+        return real(rel, dest, *a, **k)
+
+    monkeypatch.setattr(store, "download_file", full)
+    with pytest.raises(UserError, match=r"no space left writing .*global_epoch0_step10.*retention"):
+        restore(cfg, LocalBackend(cfg, store), progress=False)
+    assert mf.read_marker(d) is None and mf.latest_committed(cfg.root, "m") is None
