@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import threading
 
+from . import manifest as mf
 from . import retention as ret
 from .backends import make_backend
 from .config import NodeConfig, parse_duration
@@ -101,6 +102,9 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
     if args.interval <= 0:
         raise ConfigError(f"--interval: {args.interval} must be > 0 seconds")
     ex = Exporter(cfg, status_path=args.export_status)
+    # A mistyped root would otherwise export nothing, report success and write a status file
+    # beside a directory that does not exist.
+    mf.require_root(cfg.root)
     ex.store.ensure_container()
 
     def show(it: Iteration) -> None:

@@ -354,3 +354,14 @@ def test_restore_onto_a_full_disk_is_one_user_error(env, monkeypatch: pytest.Mon
     with pytest.raises(UserError, match=r"no space left writing .*global_epoch0_step10.*retention"):
         restore(cfg, LocalBackend(cfg, store), progress=False)
     assert mf.read_marker(d) is None and mf.latest_committed(cfg.root, "m") is None
+
+
+def test_export_of_a_missing_root_is_refused(env, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped --root must not report a successful export of nothing."""
+    cfg, _, _ = env
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(dump(cfg))
+    missing = tmp_path / "typo" / "lustre"
+    rc = cli.main(["export", "--once", "--json", "--config", str(cfg_file), "--root", str(missing)])
+    assert rc == 2 and str(missing) in json.loads(capsys.readouterr().out)["error"]
+    assert not missing.parent.exists()
