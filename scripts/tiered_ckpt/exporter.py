@@ -71,6 +71,27 @@ class ExportStatus:
     stand_in: str = "local exporter (stand-in for AMLFS auto-export)"
 
 
+def regular_files(top: Path) -> dict[str, os.stat_result]:
+    """Every regular file under `top` (path relative to it -> lstat), dot-names skipped: what
+    an export iteration considers (the toolkit's lock and journal start with '.')."""
+    out: dict[str, os.stat_result] = {}
+    if not top.is_dir():
+        return out
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        rel_dir = Path(dirpath).relative_to(top).as_posix()
+        for n in filenames:
+            if n.startswith("."):
+                continue
+            try:
+                st = os.lstat(os.path.join(dirpath, n))
+            except FileNotFoundError:       # deleted since the directory was read
+                continue
+            if stat.S_ISREG(st.st_mode):    # lstat: a symlink is not a regular file
+                out[n if rel_dir == "." else f"{rel_dir}/{n}"] = st
+    return out
+
+
 def default_status_path(root: str | os.PathLike[str]) -> Path:
     """Next to the root, not inside it: outside the exported tree, and it survives a wipe of it."""
     r = Path(root).resolve()
@@ -100,25 +121,7 @@ class Exporter:
 
     # -- discovery ------------------------------------------------------------------------
     def walk(self) -> dict[str, os.stat_result]:
-        """Every regular file under the root (relative path -> stat), dot-names skipped."""
-        out: dict[str, os.stat_result] = {}
-        if not self.root.is_dir():
-            return out
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
-            for n in filenames:
-                if n.startswith("."):
-                    continue
-                p = os.path.join(dirpath, n)
-                try:
-                    st = os.lstat(p)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISREG(st.st_mode):     # lstat: symlinks are not regular files
-                    continue
-                out[n if rel_dir == "." else f"{rel_dir}/{n}"] = st
-        return out
+        return regular_files(self.root)
 
     @staticmethod
     def changed(st: os.stat_result, blob: BlobInfo | None) -> bool:

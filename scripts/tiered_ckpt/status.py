@@ -19,7 +19,7 @@ from . import manifest as mf
 from .backends import TierBackend, make_jobs
 from .blobstore import BlobInfo
 from .errors import UserError
-from .exporter import Exporter, default_status_path, read_status
+from .exporter import Exporter, default_status_path, read_status, regular_files
 from .naming import CheckpointId, parse_name
 from .proof import CheckpointProof, prove
 from .restore import archive_committed
@@ -68,31 +68,15 @@ class Status:
         return asdict(self)
 
 
-def _files_under(d: Path) -> dict[str, os.stat_result]:
-    out: dict[str, os.stat_result] = {}
-    if not d.is_dir():
-        return out
-    for dirpath, dirnames, filenames in os.walk(d):
-        dirnames[:] = [x for x in dirnames if not x.startswith(".")]
-        for n in filenames:
-            if n.startswith("."):
-                continue
-            p = os.path.join(dirpath, n)
-            try:
-                out[p] = os.lstat(p)
-            except FileNotFoundError:
-                pass
-    return out
-
-
 def backlog(backend: TierBackend, model_dir: Path, listing: Mapping[str, BlobInfo] | None = None) -> Backlog:
     """Files under the model directory not yet in the archive (committed or not).
 
     `listing`: the model's blobs when the caller has listed them already.
     """
-    files = _files_under(model_dir)
-    if not files:
+    under = regular_files(model_dir)
+    if not under:
         return Backlog()
+    files = {str(model_dir / rel): st for rel, st in under.items()}
     pending: list[str] = []
     hsm = backend.hsm_states(list(files))
     if hsm is not None:
@@ -100,8 +84,8 @@ def backlog(backend: TierBackend, model_dir: Path, listing: Mapping[str, BlobInf
         pending = [p for p in files if p in errors or not states[p].archived]
     else:
         blobs = backend.store.listing(model_dir.name) if listing is None else listing
-        root = Path(backend.cfg.root)
-        pending = [p for p, st in files.items() if Exporter.changed(st, blobs.get(Path(p).relative_to(root).as_posix()))]
+        pending = [str(model_dir / rel) for rel, st in under.items()
+                   if Exporter.changed(st, blobs.get(f"{model_dir.name}/{rel}"))]
     now = time.time()
     oldest = min((files[p].st_mtime for p in pending), default=None)
     return Backlog(len(pending), sum(files[p].st_size for p in pending), None if oldest is None else round(now - oldest, 1))
