@@ -21,7 +21,6 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT_FILE = ROOT / "Pulumi.yaml"
 MOCK_SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 MOCK_TENANT = "00000000-0000-0000-0000-0000000000bb"
 MOCK_RP_OBJECT_ID = "00000000-0000-0000-0000-0000000000cc"
@@ -145,10 +144,6 @@ def _arm_id(typ: str, name: str, inputs: dict[str, Any]) -> str:
         "azure-native:authorization:RoleDefinition": f"{sub}/providers/Microsoft.Authorization/roleDefinitions/{_guid(name)}",
     }
     return paths.get(typ, f"{rg}/providers/Mock/{typ.replace(':', '.')}/{name}")
-
-
-# Input keys that carry the Azure name of a resource (ARM uses them instead of the logical name).
-_NAME_KEYS = ("accountName", "containerName", "blobName", "amlFilesystemName", "autoExportJobName", "vmScaleSetName")
 
 
 def _mock_state(typ: str, logical: str, inputs: dict[str, Any]) -> tuple[str, dict[str, Any]]:

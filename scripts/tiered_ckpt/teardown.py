@@ -22,12 +22,11 @@ from typing import Any
 from . import manifest as mf
 from .arm import AmlfsJobs, AmlfsTarget, ArchiveProgress, ArmNotFoundError
 from .errors import EXIT_FAILED, ConfigError, UserError
-from .output import human_bytes, print_json
+from .output import human_bytes
 from .pulumi_cli import PulumiCli
 from .teardown_gate import CheckpointRecord, Evidence, ExportState, GateResult, ManualArchive, evaluate
 
 COMPUTE_KEY = "tiered:computeEnabled"
-ComputeOutputs = ("computeResourceGroup", "amlfsName", "autoExportJobName", "mgsAddress", "mountCommand")
 
 
 class Refused(UserError):
@@ -605,8 +604,3 @@ def _ask(prompt: str) -> str:
     sys.stderr.flush()
     line = sys.stdin.readline()
     return line.rstrip("\n")
-
-
-def emit(result: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print_json(result)
