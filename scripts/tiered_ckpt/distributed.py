@@ -55,7 +55,6 @@ def _torch_dist() -> Any:
 
 def detect(rank: int | None = None, world_size: int | None = None, group: Any = None) -> Comm:
     """Called in the caller's thread (making the gloo group is itself a collective)."""
-    global _ckpt_group
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise UserError("pass both rank= and world_size= (or neither, to use torch.distributed or a single process)")
@@ -68,14 +67,12 @@ def detect(rank: int | None = None, world_size: int | None = None, group: Any = 
     dist = _torch_dist()
     if dist is None:
         return Comm(0, 1)
-    if group is None:
-        if _ckpt_group is None:
-            _ckpt_group = _gloo_group(dist)
-        group = _ckpt_group
+    group = group if group is not None else _gloo_group(dist)
     return Comm(dist.get_rank(group), dist.get_world_size(group), group, dist)
 
 
 def _gloo_group(dist: Any) -> Any:
+    """The checkpoint group, made once per process: new_group is a collective every rank joins."""
     global _ckpt_group
     if _ckpt_group is None:
         _ckpt_group = dist.new_group(backend="gloo")
