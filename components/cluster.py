@@ -80,11 +80,10 @@ class Cluster(pulumi.ComponentResource):
                             container_name=tools_container.name, blob_name=args.toolkit.blob_name, type="Block",
                             content_type="application/gzip", source=pulumi.FileAsset(str(args.toolkit.path)), opts=child)
 
-        def grant(short: str, scope: pulumi.Input[str], role_id: pulumi.Input[str], depends: list | None = None) -> authorization.RoleAssignment:
+        def grant(short: str, scope: pulumi.Input[str], role_id: pulumi.Input[str]) -> authorization.RoleAssignment:
             return authorization.RoleAssignment(
                 f"{name}-{short}", principal_id=uami.principal_id, principal_type="ServicePrincipal",
-                role_definition_id=role_id, scope=scope,
-                opts=pulumi.ResourceOptions(parent=self, depends_on=depends or []))
+                role_definition_id=role_id, scope=scope, opts=child)
 
         reader = role_definition_id(args.subscription_id, STORAGE_BLOB_DATA_READER)
         # Blob read on the data container only (restore/verify read the archive; AMLFS writes it).

@@ -69,7 +69,8 @@ class Platform(pulumi.ComponentResource):
             "computeEnabled": s.compute_enabled,
             "sizing": z.as_dict(),
             "computeResourceGroup": None, "amlfsName": None, "autoExportJobName": None, "mgsAddress": None,
-            "mountCommand": None, "provisionedGBps": None, "nodeCount": None,
+            "mountCommand": None, "provisionedGBps": None, "nodeCount": None, "scaleSetName": None,
+            "nodeIdentityClientId": None,
         }
         if s.compute_enabled and network is not None and compute_rg is not None:
             acc = Accelerator(f"{name}-amlfs", AcceleratorArgs(

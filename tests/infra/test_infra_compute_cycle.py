@@ -76,3 +76,13 @@ def test_compute_on_again_reimports_the_checkpoint_prefix_before_auto_export(pla
 def test_import_wait_is_configurable(plan: Plan) -> None:
     wait = plan("dev", blobJobWaitMinutes=30).one(mockrun.WAIT_TYPE)
     assert wait.inputs["timeout_s"] == 1800 and wait.timeouts["create"] == "40m"
+
+
+def test_stack_outputs_keep_one_shape_across_the_cycle(plan: Plan) -> None:
+    # Scripts read `pulumi stack output --json`: compute-side keys stay present (null) while compute is off.
+    on, off = plan("prod"), plan("prod", computeEnabled=False)
+    assert set(on.outputs) == set(off.outputs)
+    storage_keys = {"subscriptionId", "storageResourceGroup", "storageAccountName", "storageAccountUrl", "dataContainer",
+                    "loggingContainer", "dataContainerId", "checkpointPrefix", "computeEnabled", "sizing"}
+    for key in set(off.outputs) - storage_keys:
+        assert off.outputs[key] is None and on.outputs[key] is not None, key
