@@ -22,7 +22,7 @@ from .blobstore import BlobStore
 from .config import NodeConfig
 from .errors import ConfigError, IntegrityError, UnavailableError
 from .hsm import HsmState, Lfs
-from .manifest import MARKER, Manifest
+from .manifest import MARKER, Manifest, fsync_dir
 
 
 class ImportJobs(Protocol):
@@ -90,17 +90,30 @@ class LocalBackend(TierBackend):
         return 0
 
     def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> None:
+        # Each file arrives under a dot-name the local exporter skips, and takes its final name
+        # only when complete: the exporter uploads new and changed files, so a half-downloaded
+        # file under its final name (restore still running, or killed) would overwrite the good
+        # blob, the only copy left. (On AMLFS the import job pauses auto-export instead.)
         base = self.rel(ckpt_dir)
-        items = [(f"{base}/{f.path}", str(ckpt_dir / f.path)) for f in manifest.files]
-        self.store.download_many(items, progress)
-        # Give each file back the mtime it was exported with (like `rsync -t`), so the
-        # exporter does not see restored files as changed and upload them again.
-        blobs = self.store.listing(base)
-        for rel, dest in items:
-            b = blobs.get(rel)
-            mtime = b.metadata.get(blobstore.META_MTIME) if b else None
-            if b is not None and mtime and mtime.isdigit() and os.path.getsize(dest) == b.size:
-                os.utime(dest, ns=(int(mtime), int(mtime)))
+        final = [ckpt_dir / f.path for f in manifest.files]
+        parts = [p.with_name(f".{p.name}.restoring") for p in final]
+        items = [(f"{base}/{f.path}", str(part)) for f, part in zip(manifest.files, parts, strict=True)]
+        try:
+            self.store.download_many(items, progress)
+            # Give each file back the mtime it was exported with (like `rsync -t`), so the
+            # exporter does not see restored files as changed and upload them again.
+            blobs = self.store.listing(base)
+            for (rel, _), part, dest in zip(items, parts, final, strict=True):
+                b = blobs.get(rel)
+                mtime = b.metadata.get(blobstore.META_MTIME) if b else None
+                if b is not None and mtime and mtime.isdigit() and part.stat().st_size == b.size:
+                    os.utime(part, ns=(int(mtime), int(mtime)))
+                os.replace(part, dest)
+        finally:
+            for part in parts:
+                part.unlink(missing_ok=True)
+        for d in {p.parent for p in final}:
+            fsync_dir(d)
 
 
 class AmlfsBackend(TierBackend):

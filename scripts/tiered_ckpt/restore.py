@@ -9,9 +9,11 @@ file it names has a blob of the right size. The cheapest path wins:
 * only in the archive: AMLFS import job for the checkpoint's prefix (arm.AmlfsJobs disables
   auto-export, imports, re-enables it, always), or, locally, a parallel download from Blob.
 
-Sizes are always verified, hashes with --verify. Downloaded data files are written under
-their final names and the marker is written LAST (manifest.write_marker): an interrupted or
-failed restore leaves a directory without a marker, which no scan ever takes as complete.
+Sizes are always verified, hashes with --verify. The marker is written LAST
+(manifest.write_marker): an interrupted or failed restore leaves a directory without a marker,
+which no scan ever takes as complete. Locally each file is downloaded under a dot-name and
+takes its final name when complete, so the local exporter never uploads a partial file over
+the archived one (backends.LocalBackend.rehydrate).
 """
 from __future__ import annotations
 

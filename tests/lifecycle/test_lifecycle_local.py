@@ -365,3 +365,28 @@ def test_export_of_a_missing_root_is_refused(env, tmp_path: Path, capsys: pytest
     rc = cli.main(["export", "--once", "--json", "--config", str(cfg_file), "--root", str(missing)])
     assert rc == 2 and str(missing) in json.loads(capsys.readouterr().out)["error"]
     assert not missing.parent.exists()
+
+
+def test_exporter_never_uploads_a_checkpoint_while_restore_downloads_it(env, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A half-downloaded file must not overwrite its good blob: the archive is the only copy left."""
+    cfg, store, cc = env
+    d = make_checkpoint(cfg.root, "m", 0, 10, files={"a.bin": os.urandom(300_000)})
+    ex = Exporter(cfg, store, status_path=tmp_path / "st.json")
+    ex.iterate()
+    good = cc.download_blob("checkpoints/m/global_epoch0_step10/a.bin").readall()
+    mf.remove_checkpoint(d)
+    real = store.download_file
+    seen: list[int] = []
+
+    def slow(rel: str, dest: str, *a, **k):
+        if rel.endswith("a.bin"):
+            Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            Path(dest).write_bytes(good[:1000])          # part of it has arrived
+            seen.append(ex.iterate().files_exported)     # an export iteration runs meanwhile
+        return real(rel, dest, *a, **k)
+
+    monkeypatch.setattr(store, "download_file", slow)
+    res = restore(cfg, LocalBackend(cfg, store), progress=False, verify=True)
+    assert res.source == "archive" and seen == [0]
+    assert cc.download_blob("checkpoints/m/global_epoch0_step10/a.bin").readall() == good
