@@ -32,6 +32,7 @@ from .errors import IntegrityError, UnavailableError, UserError
 from .hashing import hash_path
 from .naming import require_name
 from .output import byte_progress
+from .retention import forget
 from .writer import os_error
 
 
@@ -173,8 +174,6 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
     # remove it before any data arrives so the directory never looks complete too early.
     # A journal entry left by a killed retention run would let the next run take this
     # directory, still without its marker, for an interrupted delete: drop it first.
-    from .retention import forget
-
     forget(root, cfg.model, m.name)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     stale = ckpt_dir / mf.MARKER

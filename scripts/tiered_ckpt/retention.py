@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,7 @@ class Policy:
     @classmethod
     def from_config(cls, r: RetentionConfig, **overrides: Any) -> Policy:
         p = cls(r.keep_last, r.keep_every_steps, r.keep_newer_than, r.min_keep, r.action)
-        changes = {k: v for k, v in overrides.items() if v is not None}
-        from dataclasses import replace
-
-        p = replace(p, **changes)
+        p = replace(p, **{k: v for k, v in overrides.items() if v is not None})
         p.validate()
         return p
 
@@ -252,7 +249,7 @@ def _journal_add(root: str, model: str, name: str) -> Path:
 
 def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | None = None) -> ApplyResult:
     """Plan and act under the lock. Safe to re-run after a kill at any point."""
-    mf.require_root(cfg.root)
+    mf.require_root(cfg.root)       # before the lock: exclusive() would create <root>/<model>
     with exclusive(lock_path(cfg.root, cfg.model), "retention apply"):
         pl = plan(cfg, backend, policy, now)
         res = ApplyResult(pl)
