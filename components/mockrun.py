@@ -25,8 +25,8 @@ MOCK_SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 MOCK_TENANT = "00000000-0000-0000-0000-0000000000bb"
 MOCK_RP_OBJECT_ID = "00000000-0000-0000-0000-0000000000cc"
 MOCK_MGS = "10.42.0.4"
-# Used by the offline preview only when the stack has no sshPublicKey (it is per operator); flagged in the output.
 WAIT_TYPE = "pulumi-python:dynamic/tiered:WaitForBlobJobs"
+# Used by the offline preview only when the stack has no sshPublicKey (it is per operator); flagged in the output.
 PREVIEW_SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPreviewOnlyPlaceholderNotARealKeyxxxxxxxxxx preview-placeholder"
 
 

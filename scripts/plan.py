@@ -72,7 +72,7 @@ def key_properties(r: Res) -> str:
         parts = {"cidr": i.get("addressPrefix"), "endpoints": ",".join(e.get("service", "") for e in i.get("serviceEndpoints") or []),
                  "nat": bool(i.get("natGateway")), "nsg": bool(i.get("networkSecurityGroup"))}
     elif t == "NetworkSecurityGroup":
-        parts = {"rules": "; ".join(f"{x['name']}({x['direction'][0]}{_fmt(x['priority'])})" for x in i.get("securityRules") or [])}
+        parts = {"rules": "; ".join(_rule(x) for x in i.get("securityRules") or [])}
     elif t in ("NatGateway", "PublicIPAddress"):
         parts = {"zones": ",".join(i.get("zones") or []), "sku": _get(i, "sku", "name")}
     elif t == "AmlFilesystem":
@@ -90,6 +90,7 @@ def key_properties(r: Res) -> str:
         nic = (_get(vm, "networkProfile", "networkInterfaceConfigurations") or [{}])[0]
         parts = {"size": _get(i, "sku", "name"), "count": _get(i, "sku", "capacity"), "zones": ",".join(i.get("zones") or []),
                  "singlePlacementGroup": i.get("singlePlacementGroup"), "faultDomains": i.get("platformFaultDomainCount"),
+                 "overprovision": i.get("overprovision"), "acceleratedNetworking": nic.get("enableAcceleratedNetworking"),
                  "image": ":".join(str(_get(vm, "storageProfile", "imageReference", k)) for k in ("publisher", "offer", "sku")),
                  "passwordAuth": not _get(vm, "osProfile", "linuxConfiguration", "disablePasswordAuthentication"),
                  "publicIp": any("publicIPAddressConfiguration" in c for c in nic.get("ipConfigurations") or []),
@@ -97,6 +98,13 @@ def key_properties(r: Res) -> str:
     elif r.type == mockrun.WAIT_TYPE:
         parts = {"waits for": "no import/archive job on " + str(i.get("filesystem")), "timeout_s": i.get("timeout_s")}
     return "  ".join(f"{k}={_fmt(v)}" for k, v in parts.items() if v not in (None, ""))
+
+
+def _rule(x: dict[str, Any]) -> str:
+    """An NSG rule as a reviewer checks it: name(I|O priority Allow|Deny source->destination:ports)."""
+    ports = ",".join(x.get("destinationPortRanges") or [x.get("destinationPortRange") or "*"])
+    return (f"{x['name']}({x['direction'][0]}{_fmt(x['priority'])} {x.get('access')} {x.get('protocol')} "
+            f"{x.get('sourceAddressPrefix')}->{x.get('destinationAddressPrefix')}:{ports})")
 
 
 def _fmt(v: Any) -> str:

@@ -1,0 +1,29 @@
+"""The offline preview shows what a reviewer checks before `pulumi up`: NSG rules with ports, the InfiniBand VMSS settings."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(90)
+def test_plan_json_shows_nsg_ports_both_ways_and_the_scale_set_fabric_settings() -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "--stack", "prod", "--json"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=80)
+    assert r.returncode == 0, r.stderr
+    props = {x["name"]: x["properties"] for x in json.loads(r.stdout)["resources"]}
+    amlfs_nsg, compute_nsg = props["tiered-net-amlfs-nsg"], props["tiered-net-compute-nsg"]
+    assert "(I100 Allow Tcp 10.42.4.0/22->10.42.0.0/24:988,1019-1023)" in amlfs_nsg
+    assert "(O100 Allow Tcp 10.42.0.0/24->10.42.4.0/22:988,1019-1023)" in amlfs_nsg
+    assert "(I100 Allow Tcp 10.42.0.0/24->10.42.4.0/22:988,1019-1023)" in compute_nsg
+    assert "(O100 Allow Tcp 10.42.4.0/22->10.42.0.0/24:988,1019-1023)" in compute_nsg
+    assert "(I4000 Deny Tcp *->*:22)" in compute_nsg
+    vmss = props["tiered-gpu-vmss"]
+    for shown in ("singlePlacementGroup=True", "faultDomains=1", "overprovision=False", "acceleratedNetworking=True",
+                  "image=microsoft-dsvm:ubuntu-hpc:2204", "passwordAuth=False", "publicIp=False"):
+        assert shown in vmss, shown
