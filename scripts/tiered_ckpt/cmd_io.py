@@ -14,7 +14,7 @@ from .buffers import SyntheticSource, to_sources
 from .distributed import Comm
 from .errors import EXIT_FAILED, EXIT_OK, UserError
 from .naming import CheckpointId, require_name
-from .output import byte_progress, human_bytes, print_json, print_table, stdout
+from .output import byte_progress, human_bytes, print_error, print_json, print_table, stdout
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: argparse.ArgumentParser) -> None:
@@ -189,7 +189,5 @@ def cmd_verify(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
             stdout.print(f"{args.name}: committed, {rep.files} files, {human_bytes(rep.bytes)}, sizes "
                          + ("and hashes " if rep.hashed else "") + "match the manifest", highlight=False)
         else:
-            from .output import print_error
-
             print_error(f"{args.name} is not complete and intact:\n  " + "\n  ".join(rep.problems))
     return EXIT_OK if rep.ok else EXIT_FAILED

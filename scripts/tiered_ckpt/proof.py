@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .backends import TierBackend
 from .blobstore import BlobInfo
@@ -49,17 +48,6 @@ class CheckpointProof:
     def released(self) -> bool:
         data = [f for f in self.files if not f.rel.endswith("/" + MARKER)]
         return bool(data) and all(f.released for f in data)
-
-    @property
-    def unarchived_bytes(self) -> int:
-        total = 0
-        for f in self.files:
-            if not f.archived:
-                try:
-                    total += Path(f.path).stat().st_size
-                except OSError:
-                    pass
-        return total
 
     def blocked_reason(self) -> str:
         p = self.first_problem
