@@ -258,7 +258,7 @@ class Teardown:
         except ArmNotFoundError:
             return ExportState("NotFound")
         return ExportState(st.state, st.admin_status, st.last_success_utc, st.total_files_failed,
-                           st.current_iteration_files_failed, st.status_message)
+                           st.current_iteration_files_failed, st.status_message, st.export_iteration_count)
 
     def collect(self, manual: ManualArchive | None = None) -> Evidence:
         present = self.outputs.compute_present
@@ -282,9 +282,15 @@ class Teardown:
                     f"{e}. The gate lists the data container to prove the archive: run where the storage account's "
                     "firewall admits you (a node in the VNet, or add your IP) with Storage Blob Data Reader, or pass "
                     "--no-blob-check to rely on the auto-export counters alone", exit_code=e.exit_code) from None
+        baseline = self.journal.data.get("iteration_baseline")
+        # A dry run does not wait, so it takes no baseline; the gate then says a real run will wait.
+        if baseline is None and export is not None and export.iteration_count is not None and not self.o.dry_run:
+            baseline = export.iteration_count
+            self.journal.data["iteration_baseline"] = baseline
+            self.journal.save()
         return Evidence(compute_present=present, export=export, disabled_by_teardown=ours, manual_archive=manual,
                         lustre=lustre, lustre_uncommitted=uncommitted or (), blob=blob, blob_checkpoints=blob_ckpts,
-                        blob_bad_markers=bad)
+                        blob_bad_markers=bad, iteration_baseline=baseline)
 
     # -- the gate with waiting and the optional manual export ---------------------------------
     def gate(self) -> GateResult:

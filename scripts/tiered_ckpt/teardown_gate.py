@@ -11,6 +11,11 @@ last successful export iteration recent, zero failed files, then disable auto-ex
   so) and the frozen last-success time must still be after the newest commit.
 * blob (when checked): every committed checkpoint's marker and every file its manifest names
   exist in the data container with the right size.
+* without a Lustre scan, a checkpoint whose marker never reached Blob is invisible, and an
+  iteration that *finished* after the newest known commit may have *started* before a later
+  one: so two iterations must complete after the teardown first looked (the second one then
+  started after that moment and walked everything committed before it). Training must be
+  stopped before a teardown; the Lustre scan (--lustre-root) needs no such wait.
 
 Which checkpoints exist comes from Lustre when it was scanned (--lustre-root), else from the
 markers found in Blob; `GateResult.evidence` says which. All I/O lives in teardown.py.
@@ -49,6 +54,7 @@ class ExportState:
     total_files_failed: int = 0
     current_iteration_files_failed: int = 0
     status_message: str = ""
+    iteration_count: int | None = None      # exportIterationCount: iterations completed since the job started
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,8 @@ class Evidence:
     blob: dict[str, int] | None = None      # blob path relative to the checkpoint prefix -> size; None: not checked
     blob_checkpoints: tuple[CheckpointRecord, ...] = ()  # markers that parse in Blob
     blob_bad_markers: tuple[tuple[str, str], ...] = ()   # (marker path, why it does not count)
+    # exportIterationCount when this teardown first looked (kept in its journal across re-runs).
+    iteration_baseline: int | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,18 @@ def _export_problems(ev: Evidence, newest: CheckpointRecord | None) -> tuple[lis
             f"auto-export reports failed files (total {ex.total_files_failed}, current iteration "
             f"{ex.current_iteration_files_failed}); the failures are listed in the logging container",
             expected=0, found={"total": ex.total_files_failed, "current_iteration": ex.current_iteration_files_failed}))
+    if (healthy or ours) and ev.lustre is None and ev.iteration_baseline is None:
+        notes.append("a real run (without --lustre-root) also waits for two auto-export iterations that start after it begins")
+    if (healthy or ours) and ev.lustre is None and ex.iteration_count is not None and ev.iteration_baseline is not None:
+        since = ex.iteration_count - ev.iteration_baseline
+        notes.append(f"auto-export iterations completed since this teardown first looked: {since} (2 needed without --lustre-root)")
+        if since < 2:
+            problems.append(Problem(
+                "export-stale",
+                f"waiting for an auto-export iteration that started after this teardown began ({since} of 2 completed "
+                "since): without --lustre-root only such an iteration proves that checkpoints whose markers are not in "
+                "Blob yet were exported; make sure training has stopped",
+                expected=2, found=since))
     if newest is not None and newest_t is not None:
         if ex.last_success_utc is None or ex.last_success_utc <= newest_t:
             problems.append(Problem(

@@ -140,6 +140,9 @@ class Scenario:
     )
     autoexport_prefixes: list[str] = field(default_factory=lambda: ["/"])
     disable_polls: int = 2                # GETs that still read Disabling after a Disable
+    # A running job keeps iterating: each GET while InProgress sees one more completed iteration
+    # (exportIterationCount + 1). Off by default so tests can freeze the counters.
+    iterate_on_get: bool = False
     disable_result: str = "Disabled"      # or "DisableFailed"
     enable_fails: str | None = None       # None | "lro" (async op ends Failed) | "http" (PATCH answers enable_status)
     enable_status: int = 400
@@ -420,6 +423,8 @@ class ArmDouble:
 
     def _advance_autoexport(self) -> None:
         st = self.scenario.autoexport
+        if self.scenario.iterate_on_get and st.get("state") == "InProgress":
+            st["exportIterationCount"] = int(st.get("exportIterationCount", 0)) + 1
         if st.get("state") == "Disabling":
             if self._disabling_left > 0:
                 self._disabling_left -= 1

@@ -130,7 +130,7 @@ class Env:
     def args(self, *extra: str) -> list[str]:
         return ["--stack", STACK, "--arm-endpoint", self.arm.endpoint, "--connection-string", self.conn,
                 "--state-dir", str(self.journal_dir), "--project-dir", str(self.project),
-                "--wait-timeout", "0", "--poll-interval", "0", *extra]
+                "--wait-timeout", "2", "--poll-interval", "0", *extra]
 
     def run(self, *extra: str, stdin: str = "") -> Result:
         out, err = io.StringIO(), io.StringIO()
@@ -184,6 +184,9 @@ def env(arm_env: ArmDouble, azurite_container: tuple[str, str], tmp_path: Path,
     monkeypatch.setenv("PATH", f"{BIN}:{__import__('os').environ.get('PATH', '')}")
     project = tmp_path / "project"
     project.mkdir()
+    # Auto-export keeps iterating while enabled, as on AMLFS (the gate without --lustre-root waits
+    # for two iterations that started after the teardown began).
+    arm_env.scenario.iterate_on_get = True
     e = Env(arm_env, conn, container, state, tmp_path / "lustrefs", tmp_path / "journal", project)
     (e.mount / "checkpoints").mkdir(parents=True)
 

@@ -85,3 +85,18 @@ def test_evidence_sources_and_warnings_are_reported() -> None:
 def test_no_file_system_means_nothing_to_protect() -> None:
     r = evaluate(Evidence(False, None, blob=BLOB_OK, blob_checkpoints=(CK,)))
     assert r.ok and r.newest == "llama/global_epoch1_step10"
+
+
+def test_without_a_lustre_scan_two_iterations_must_complete_after_the_teardown_began() -> None:
+    # From Blob alone a checkpoint whose marker never arrived is invisible, and an iteration that
+    # merely *finished* late may have started before it: only an iteration that started after
+    # the teardown began (the second one completed since) covers it.
+    blob_only = dict(blob=BLOB_OK, blob_checkpoints=(CK,), iteration_baseline=100)
+    for count, ok in ((100, False), (101, False), (102, True), (140, True)):
+        r = evaluate(Evidence(True, healthy(iteration_count=count), **blob_only))  # type: ignore[arg-type]
+        assert r.ok is ok, count
+        if not ok:
+            assert [p.kind for p in r.problems] == ["export-stale"]
+            assert f"{count - 100} of 2 completed" in r.problems[0].message
+    # A Lustre scan names every committed checkpoint: no wait for iterations.
+    assert evaluate(Evidence(True, healthy(iteration_count=100), lustre=(CK,), blob=BLOB_OK, iteration_baseline=100)).ok

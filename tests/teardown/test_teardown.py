@@ -154,6 +154,19 @@ def test_blob_only_evidence_is_said_and_catches_a_missing_file(env: Env) -> None
     assert [(p["kind"], p["file"]) for p in res["gate"]["problems"]] == [("file-missing", "rank0.bin")]
 
 
+def test_blob_only_gate_waits_for_iterations_that_started_after_it_began(env: Env) -> None:
+    archived_ckpts(env)
+    env.arm.scenario.iterate_on_get = False          # auto-export stuck: no new iteration completes
+    r = env.run("--yes", "--json")
+    assert r.rc == 1
+    assert [p["kind"] for p in r.json()["gate"]["problems"]] == ["export-stale"]
+    assert "started after this teardown began" in r.json()["gate"]["problems"][0]["message"]
+    assert env.mutating() == [] and env.arm_changes() == []
+    # With Lustre scanned, every committed checkpoint is named and proven in Blob: no wait.
+    r = env.run("--yes", "--lustre-root", str(env.mount))
+    assert r.rc == 0, r.flat
+
+
 def test_disable_failed_stops_before_any_pulumi_change(env: Env) -> None:
     archived_ckpts(env)
     env.arm.scenario.disable_result = "DisableFailed"
