@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"results: {out}")
-    return 0
+    return 0 if all(ok.values()) else 1      # reported by benchmarks/__main__.py, not a failed make
 
 
 if __name__ == "__main__":
