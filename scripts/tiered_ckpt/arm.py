@@ -212,9 +212,10 @@ def _translate(err: Exception, target: AmlfsTarget, what: str, resource: str) ->
         if status in (401, 403):
             return ArmPermissionError(
                 f"cannot {what}: Azure Resource Manager refused it ({status} {detail}) for {resource}; "
-                "the node identity needs the tiered-ckpt AMLFS operator role on the file system "
-                "(Microsoft.StorageCache/amlFilesystems/read, .../archive/action, .../importJobs/*, "
-                ".../autoExportJobs/read and /write); see docs/arm.md"
+                "the node identity needs the tiered-ckpt node role on the file system "
+                "(Microsoft.StorageCache/amlFilesystems/read, .../importJobs/read, /write and /delete, "
+                ".../autoExportJobs/read and /write; an operator's manual export also needs .../archive/action); "
+                "see docs/arm.md"
             )
         if status == 404 or isinstance(err, ResourceNotFoundError):
             return ArmNotFoundError(
