@@ -55,7 +55,9 @@ def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8,
                progress: Callable[[int], None] | None = None) -> list[str]:
     """Read every file (optionally into destination pieces); the list of problems found."""
     nthreads = max(1, min(threads, len(entries)))
-    bufs = pool("read", nthreads * block_size, block_size)
+    # Sized by the configured thread count, not this checkpoint's file count: pools are cached
+    # per size, so one pool serves every load instead of one pre-faulted pool per file count.
+    bufs = pool("read", max(1, threads) * block_size, block_size)
     work: queue.Queue[mf.FileEntry] = queue.Queue()
     for e in entries:
         work.put(e)
