@@ -156,17 +156,23 @@ def test_async_failure_is_reported_by_the_handle(cfg: NodeConfig, root: Path, mo
     assert tc.latest(config=cfg) is None
 
 
-def test_zero_copy_detects_a_buffer_resized_during_the_save(cfg: NodeConfig, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tc.save({"a": b"older"}, epoch=0, step=1, config=cfg)
-    started, resized = threading.Event(), threading.Event()
+def paused_fill(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold the writer before it copies the buffers: (started, resume) events for a test to resize in between."""
+    started, resume = threading.Event(), threading.Event()
     real_fill = writer._Pipeline._fill
 
     def fill(self: writer._Pipeline, *a: object) -> None:
         started.set()
-        resized.wait(30)
+        resume.wait(30)
         real_fill(self, *a)  # type: ignore[arg-type]
 
     monkeypatch.setattr(writer._Pipeline, "_fill", fill)
+    return started, resume
+
+
+def test_zero_copy_detects_a_buffer_resized_during_the_save(cfg: NodeConfig, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tc.save({"a": b"older"}, epoch=0, step=1, config=cfg)
+    started, resized = paused_fill(monkeypatch)
     arr = np.zeros(1000, dtype=np.float64)      # small: numpy keeps it on the heap, resizing never unmaps it
     h = tc.async_save({"a": arr}, epoch=0, step=2, config=cfg, zero_copy=True)
     assert started.wait(30)
@@ -186,15 +192,7 @@ def test_zero_copy_round_trip(cfg: NodeConfig) -> None:
 
 
 def test_snapshot_detects_a_buffer_resized_by_another_thread(cfg: NodeConfig, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    started, resized = threading.Event(), threading.Event()
-    real_fill = writer._Pipeline._fill
-
-    def fill(self: writer._Pipeline, *a: object) -> None:
-        started.set()
-        resized.wait(30)
-        real_fill(self, *a)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(writer._Pipeline, "_fill", fill)
+    started, resized = paused_fill(monkeypatch)
     arr = np.zeros(1000, dtype=np.float64)
 
     def other_thread() -> None:
