@@ -30,9 +30,9 @@ from .blobstore import BlobInfo, BlobStore, archived_markers
 from .config import NodeConfig
 from .errors import IntegrityError, UnavailableError, UserError
 from .hashing import hash_path
+from .journal import forget
 from .naming import require_name
 from .output import byte_progress
-from .retention import forget
 from .writer import os_error
 
 

@@ -16,7 +16,6 @@ journal entry that the next run finishes; never a directory that looks committed
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -27,11 +26,11 @@ from . import manifest as mf
 from .backends import TierBackend
 from .config import NodeConfig, RetentionConfig
 from .errors import ConfigError
+from .journal import add as _journal_add
+from .journal import forget, journaled
 from .lock import exclusive, lock_path
 from .naming import CheckpointId, parse_name
 from .proof import CheckpointProof, prove
-
-JOURNAL_DIR = ".retention-journal"
 
 KEEP, DELETE, RELEASE, BLOCKED, SKIP, RESUME = "keep", "delete", "release", "blocked", "skip", "resume-delete"
 
@@ -171,17 +170,6 @@ class ApplyResult:
         return d
 
 
-def journal_dir(root: str | os.PathLike[str], model: str) -> Path:
-    return Path(root) / model / JOURNAL_DIR
-
-
-def journaled(root: str | os.PathLike[str], model: str) -> set[str]:
-    d = journal_dir(root, model)
-    if not d.is_dir():
-        return set()
-    return {e.name[: -len(".deleting")] for e in os.scandir(d) if e.name.endswith(".deleting")}
-
-
 def _created(m: mf.Manifest | None) -> datetime | None:
     if m is None:
         return None
@@ -226,25 +214,6 @@ def plan(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | 
     now = now or datetime.now(timezone.utc)
     mf.require_root(cfg.root)
     return Plan(cfg.model, policy, decide(candidates(cfg, backend), policy, now), now.isoformat())
-
-
-def forget(root: str | os.PathLike[str], model: str, name: str) -> None:
-    """Drop the journal entry of `name` (restore calls this before it brings a checkpoint back)."""
-    (journal_dir(root, model) / f"{name}.deleting").unlink(missing_ok=True)
-
-
-def _journal_add(root: str, model: str, name: str) -> Path:
-    d = journal_dir(root, model)
-    d.mkdir(parents=True, exist_ok=True)
-    p = d / f"{name}.deleting"
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    mf.fsync_dir(d)
-    return p
 
 
 def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | None = None) -> ApplyResult:
