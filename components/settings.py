@@ -7,12 +7,13 @@ Every problem is a SettingsError whose message names the key, the value and the 
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from . import subnets
+from . import sizing, subnets
 
 NAMESPACE = "tiered"
 
@@ -30,7 +31,7 @@ class Sku:
     default_max_tib: int
 
 
-# AZURE_FACTS.md: the four AMLFS SKUs. Capacity is rounded up by the service, so we demand exact steps.
+# The four AMLFS SKUs (Azure docs, "Azure Managed Lustre file system sizes" / amlfs-overview). Capacity is rounded up by the service, so we demand exact steps.
 SKUS: dict[str, Sku] = {
     s.name: s
     for s in (
@@ -54,7 +55,7 @@ SQUASH_MODES = ("None", "RootOnly", "All")
 RETENTION_ACTIONS = ("delete", "release")
 STORAGE_SKUS = ("Standard_LRS", "Standard_GRS", "Standard_RAGRS", "Standard_ZRS", "Standard_GZRS", "Standard_RAGZRS")
 
-# Patterns from the ARM API specs (AZURE_FACTS.md for AMLFS; compute naming rules for the scale set).
+# Patterns from the ARM API specs (storagecache amlfs.json for AMLFS names and the maintenance time).
 AMLFS_NAME = re.compile(r"^[0-9a-zA-Z][-0-9a-zA-Z_]{0,78}[0-9a-zA-Z]$")
 TIME_OF_DAY = re.compile(r"^([0-9]|0[0-9]|1[0-9]|2[0-3]):[0-5][0-9]$")
 NAME_PREFIX = re.compile(r"^[a-z][a-z0-9]{1,9}$")
@@ -66,99 +67,112 @@ MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 @dataclass(frozen=True)
 class Key:
-    name: str
+    """One `tiered:` stack setting: Pulumi.yaml declares the same keys (a test keeps them identical)."""
+
+    name: str          # the stack config key (camelCase, under the `tiered:` namespace)
+    field: str         # the Settings attribute
     type: str          # Pulumi project config type: string | integer | boolean
     default: Any
     description: str
 
 
-SCHEMA: tuple[Key, ...] = (
-    Key("computeEnabled", "boolean", True, "Deploy the compute side (network, AMLFS, auto-export, GPU cluster). false keeps only the core storage layer (archive) managed, between training campaigns."),
-    Key("location", "string", "eastus", "Azure region for every resource."),
-    Key("zone", "string", "1", "Availability zone of the file system; the GPU nodes are placed in the same zone."),
-    Key("namePrefix", "string", "tckpt", "Prefix of resource names: 2-10 lowercase letters and digits, starting with a letter."),
-    Key("sku", "string", "AMLFS-Durable-Premium-500", "AMLFS SKU: AMLFS-Durable-Premium-40, -125, -250 or -500 (MB/s per TiB)."),
-    Key("capacityTiB", "integer", 4, "AMLFS capacity in TiB; a multiple of the SKU's step, at least its minimum."),
-    Key("allowAboveDefaultMax", "boolean", False, "Allow a capacity above the SKU's default per-subscription maximum (after support raised your quota)."),
-    Key("maintenanceDay", "string", "Sunday", "AMLFS weekly maintenance window day (Monday..Sunday)."),
-    Key("maintenanceTimeUtc", "string", "02:00", "AMLFS maintenance window start, HH:MM UTC."),
-    Key("rootSquash", "string", "None", "AMLFS root squash mode: None, RootOnly or All."),
-    Key("rootSquashTrustedNids", "string", "", "With RootOnly/All: Lustre NID list exempt from squashing, e.g. 10.42.4.[4-254]@tcp (the GPU nodes, so the toolkit's root service works)."),
-    Key("vnetCidr", "string", "10.42.0.0/16", "Address space of the virtual network."),
-    Key("amlfsSubnetCidr", "string", "10.42.0.0/24", "AMLFS subnet; must be at least the size Microsoft recommends for the capacity."),
-    Key("computeSubnetCidr", "string", "10.42.4.0/22", "GPU node subnet."),
-    Key("sshSourcePrefix", "string", "VirtualNetwork", "Only source allowed to SSH to the nodes: a CIDR or a service tag (VirtualNetwork = a jump host or Bastion in the VNet)."),
-    Key("sshPublicKey", "string", "", "OpenSSH public key of the nodes' admin user (password login is disabled)."),
-    Key("adminUsername", "string", "azureuser", "Admin user on the GPU nodes."),
-    Key("vmSize", "string", "Standard_ND96isr_H100_v5", "GPU node size; must be an ND-series size."),
-    Key("nodeCount", "integer", 1, "Number of GPU nodes."),
-    Key("nodeEthernetGbps", "integer", 0, "Per-node Ethernet in Gbit/s for the sizing model; 0 = known value for the VM size."),
-    Key("storageSku", "string", "Standard_LRS", "Storage account redundancy (Standard_*; archive tiering needs LRS/GRS/RA-GRS)."),
-    Key("checkpointPrefix", "string", "/checkpoints", "Absolute Lustre path of the checkpoint root under /lustrefs; also the blob prefix exported and imported."),
-    Key("modelName", "string", "default", "Model directory under the checkpoint root (the toolkit's `model`)."),
-    Key("checkpointSizeGiB", "integer", 912, "Size of one checkpoint in GiB (sizing model)."),
-    Key("checkpointIntervalSeconds", "integer", 1800, "Seconds between checkpoints (sizing model, archive keep-up check)."),
-    Key("allowArchiveBacklog", "boolean", False, "Accept a checkpoint interval shorter than the archive time (the export backlog then grows)."),
-    Key("dataMoverGBps", "string", "7.5", "Lustre-to-Blob export rate in GB/s (7.5 = the account's default ingress)."),
-    Key("coolAfterDays", "integer", 30, "Lifecycle: move archived checkpoints to the cool tier after N days (0 = never)."),
-    Key("coldAfterDays", "integer", 90, "Lifecycle: move them to the cold tier after N days (0 = never)."),
-    Key("deleteAfterDays", "integer", 365, "Lifecycle: delete them from Blob after N days (0 = never)."),
-    Key("softDeleteDays", "integer", 14, "Blob soft delete retention, 1-365 days."),
-    Key("retentionKeepLast", "integer", 3, "Node retention: keep the newest N committed checkpoints on Lustre."),
-    Key("retentionKeepEverySteps", "integer", 0, "Node retention: also keep every checkpoint whose step is a multiple of K (0 = off)."),
-    Key("retentionMinKeep", "integer", 2, "Node retention: never go below N committed checkpoints on Lustre."),
-    Key("retentionAction", "string", "release", "Node retention action for archived checkpoints: release (keep namespace, free data) or delete."),
-    Key("retentionSchedule", "string", "*:0/15", "systemd OnCalendar schedule of the retention timer."),
-    Key("rpPrincipalObjectId", "string", "", "Object ID of the HPC Cache Resource Provider service principal; empty = look it up by its appId."),
-    Key("roleWaitDuration", "string", "5m", "Wait between the storage role grants and the file system (role propagation), e.g. 5m, 90s."),
-    Key("blobJobWaitMinutes", "integer", 240, "How long `pulumi up` waits for the creation-time import to finish before creating auto-export."),
-)
+_KEY = "tiered.key"
 
-SCHEMA_BY_NAME = {k.name: k for k in SCHEMA}
+
+def key(name: str, default: Any, description: str) -> Any:
+    """Declare a Settings field as the stack setting `name` (type from the field's annotation)."""
+    return field(metadata={_KEY: (name, default, description)})
+
+
+# Pulumi config types of the Settings annotations; everything else (Sku, float) arrives as a string.
+_PULUMI_TYPES = {"bool": "boolean", "int": "integer"}
 
 
 @dataclass(frozen=True)
 class Settings:
+    """Validated stack settings. Each field below IS the declaration of its stack key: name, default
+    and description; `SCHEMA` is derived from these fields, so adding a key is one field here plus
+    its entry in Pulumi.yaml."""
+
     stack: str
-    compute_enabled: bool
-    location: str
-    zone: str
-    name_prefix: str
-    sku: Sku
-    capacity_tib: int
-    allow_above_default_max: bool
-    maintenance_day: str
-    maintenance_time_utc: str
-    root_squash: str
-    root_squash_trusted_nids: str
-    vnet_cidr: str
-    amlfs_subnet_cidr: str
-    compute_subnet_cidr: str
-    ssh_source_prefix: str
-    ssh_public_key: str
-    admin_username: str
-    vm_size: str
-    node_count: int
-    node_ethernet_gbps: int
-    storage_sku: str
-    checkpoint_prefix: str
-    model_name: str
-    checkpoint_size_gib: int
-    checkpoint_interval_seconds: int
-    allow_archive_backlog: bool
-    data_mover_gbps: float
-    cool_after_days: int
-    cold_after_days: int
-    delete_after_days: int
-    soft_delete_days: int
-    retention_keep_last: int
-    retention_keep_every_steps: int
-    retention_min_keep: int
-    retention_action: str
-    retention_schedule: str
-    rp_principal_object_id: str
-    role_wait_duration: str
-    blob_job_wait_minutes: int
+    compute_enabled: bool = key("computeEnabled", True,
+        "Deploy the compute side (network, AMLFS, auto-export, GPU cluster). false keeps only the core storage layer (archive) managed, between training campaigns.")
+    location: str = key("location", "eastus",
+        "Azure region for every resource.")
+    zone: str = key("zone", "1",
+        "Availability zone of the file system; the GPU nodes are placed in the same zone.")
+    name_prefix: str = key("namePrefix", "tckpt",
+        "Prefix of resource names: 2-10 lowercase letters and digits, starting with a letter.")
+    sku: Sku = key("sku", "AMLFS-Durable-Premium-500",
+        "AMLFS SKU: AMLFS-Durable-Premium-40, -125, -250 or -500 (MB/s per TiB).")
+    capacity_tib: int = key("capacityTiB", 4,
+        "AMLFS capacity in TiB; a multiple of the SKU's step, at least its minimum.")
+    allow_above_default_max: bool = key("allowAboveDefaultMax", False,
+        "Allow a capacity above the SKU's default per-subscription maximum (after support raised your quota).")
+    maintenance_day: str = key("maintenanceDay", "Sunday",
+        "AMLFS weekly maintenance window day (Monday..Sunday).")
+    maintenance_time_utc: str = key("maintenanceTimeUtc", "02:00",
+        "AMLFS maintenance window start, HH:MM UTC.")
+    root_squash: str = key("rootSquash", "None",
+        "AMLFS root squash mode: None, RootOnly or All.")
+    root_squash_trusted_nids: str = key("rootSquashTrustedNids", "",
+        "With RootOnly/All: Lustre NID list exempt from squashing, e.g. 10.42.4.[4-254]@tcp (the GPU nodes, so the toolkit's root service works).")
+    vnet_cidr: str = key("vnetCidr", "10.42.0.0/16",
+        "Address space of the virtual network.")
+    amlfs_subnet_cidr: str = key("amlfsSubnetCidr", "10.42.0.0/24",
+        "AMLFS subnet; must be at least the size Microsoft recommends for the capacity.")
+    compute_subnet_cidr: str = key("computeSubnetCidr", "10.42.4.0/22",
+        "GPU node subnet.")
+    ssh_source_prefix: str = key("sshSourcePrefix", "VirtualNetwork",
+        "Only source allowed to SSH to the nodes: a CIDR or a service tag (VirtualNetwork = a jump host or Bastion in the VNet).")
+    ssh_public_key: str = key("sshPublicKey", "",
+        "OpenSSH public key of the nodes' admin user (password login is disabled).")
+    admin_username: str = key("adminUsername", "azureuser",
+        "Admin user on the GPU nodes.")
+    vm_size: str = key("vmSize", "Standard_ND96isr_H100_v5",
+        "GPU node size; must be an ND-series size.")
+    node_count: int = key("nodeCount", 1,
+        "Number of GPU nodes.")
+    node_ethernet_gbps: int = key("nodeEthernetGbps", 0,
+        "Per-node Ethernet in Gbit/s for the sizing model; 0 = known value for the VM size.")
+    storage_sku: str = key("storageSku", "Standard_LRS",
+        "Storage account redundancy (Standard_*; archive tiering needs LRS/GRS/RA-GRS).")
+    checkpoint_prefix: str = key("checkpointPrefix", "/checkpoints",
+        "Absolute Lustre path of the checkpoint root under /lustrefs; also the blob prefix exported and imported.")
+    model_name: str = key("modelName", "default",
+        "Model directory under the checkpoint root (the toolkit's `model`).")
+    checkpoint_size_gib: int = key("checkpointSizeGiB", 912,
+        "Size of one checkpoint in GiB (sizing model).")
+    checkpoint_interval_seconds: int = key("checkpointIntervalSeconds", 1800,
+        "Seconds between checkpoints (sizing model, archive keep-up check).")
+    allow_archive_backlog: bool = key("allowArchiveBacklog", False,
+        "Accept a checkpoint interval shorter than the archive time (the export backlog then grows).")
+    data_mover_gbps: float = key("dataMoverGBps", "7.5",
+        "Lustre-to-Blob export rate in GB/s (7.5 = the account's default ingress).")
+    cool_after_days: int = key("coolAfterDays", 30,
+        "Lifecycle: move archived checkpoints to the cool tier after N days (0 = never).")
+    cold_after_days: int = key("coldAfterDays", 90,
+        "Lifecycle: move them to the cold tier after N days (0 = never).")
+    delete_after_days: int = key("deleteAfterDays", 365,
+        "Lifecycle: delete them from Blob after N days (0 = never).")
+    soft_delete_days: int = key("softDeleteDays", 14,
+        "Blob soft delete retention, 1-365 days.")
+    retention_keep_last: int = key("retentionKeepLast", 3,
+        "Node retention: keep the newest N committed checkpoints on Lustre.")
+    retention_keep_every_steps: int = key("retentionKeepEverySteps", 0,
+        "Node retention: also keep every checkpoint whose step is a multiple of K (0 = off).")
+    retention_min_keep: int = key("retentionMinKeep", 2,
+        "Node retention: never go below N committed checkpoints on Lustre.")
+    retention_action: str = key("retentionAction", "release",
+        "Node retention action for archived checkpoints: release (keep namespace, free data) or delete.")
+    retention_schedule: str = key("retentionSchedule", "*:0/15",
+        "systemd OnCalendar schedule of the retention timer.")
+    rp_principal_object_id: str = key("rpPrincipalObjectId", "",
+        "Object ID of the HPC Cache Resource Provider service principal; empty = look it up by its appId.")
+    role_wait_duration: str = key("roleWaitDuration", "5m",
+        "Wait between the storage role grants and the file system (role propagation), e.g. 5m, 90s.")
+    blob_job_wait_minutes: int = key("blobJobWaitMinutes", 240,
+        "How long `pulumi up` waits for the creation-time import to finish before creating auto-export.")
 
     @property
     def base_name(self) -> str:
@@ -181,6 +195,13 @@ class Settings:
     @property
     def lustre_root(self) -> str:
         return "/lustrefs/" + self.blob_prefix
+
+
+SCHEMA: tuple[Key, ...] = tuple(
+    Key(f.metadata[_KEY][0], f.name, _PULUMI_TYPES.get(str(f.type), "string"), f.metadata[_KEY][1], f.metadata[_KEY][2])
+    for f in fields(Settings) if _KEY in f.metadata
+)
+SCHEMA_BY_NAME = {k.name: k for k in SCHEMA}
 
 
 def _k(name: str) -> str:
@@ -389,50 +410,30 @@ def load(raw: Mapping[str, Any], stack: str) -> Settings:
     if s["computeEnabled"]:
         _check_network(s, s["capacityTiB"])
         _check_cluster(s)
-    settings = Settings(
-        stack=stack,
-        compute_enabled=s["computeEnabled"],
-        location=s["location"],
-        zone=s["zone"],
-        name_prefix=s["namePrefix"],
-        sku=sku,
-        capacity_tib=s["capacityTiB"],
-        allow_above_default_max=s["allowAboveDefaultMax"],
-        maintenance_day=s["maintenanceDay"],
-        maintenance_time_utc=s["maintenanceTimeUtc"],
-        root_squash=s["rootSquash"],
-        root_squash_trusted_nids=s["rootSquashTrustedNids"],
-        vnet_cidr=s["vnetCidr"],
-        amlfs_subnet_cidr=s["amlfsSubnetCidr"],
-        compute_subnet_cidr=s["computeSubnetCidr"],
-        ssh_source_prefix=s["sshSourcePrefix"],
-        ssh_public_key=s["sshPublicKey"].strip(),
-        admin_username=s["adminUsername"],
-        vm_size=s["vmSize"],
-        node_count=s["nodeCount"],
-        node_ethernet_gbps=s["nodeEthernetGbps"] or ND_ETHERNET_GBITS.get(s["vmSize"], 0),
-        storage_sku=s["storageSku"],
-        checkpoint_prefix=s["checkpointPrefix"].rstrip("/"),
-        model_name=s["modelName"],
-        checkpoint_size_gib=s["checkpointSizeGiB"],
-        checkpoint_interval_seconds=s["checkpointIntervalSeconds"],
-        allow_archive_backlog=s["allowArchiveBacklog"],
-        data_mover_gbps=gbps,
-        cool_after_days=s["coolAfterDays"],
-        cold_after_days=s["coldAfterDays"],
-        delete_after_days=s["deleteAfterDays"],
-        soft_delete_days=s["softDeleteDays"],
-        retention_keep_last=s["retentionKeepLast"],
-        retention_keep_every_steps=s["retentionKeepEverySteps"],
-        retention_min_keep=s["retentionMinKeep"],
-        retention_action=s["retentionAction"],
-        retention_schedule=s["retentionSchedule"],
-        rp_principal_object_id=s["rpPrincipalObjectId"],
-        role_wait_duration=s["roleWaitDuration"],
-        blob_job_wait_minutes=s["blobJobWaitMinutes"],
-    )
+    # Values that validation turned into richer types, or that have derived defaults.
+    derived: dict[str, Any] = {
+        "sku": sku,
+        "data_mover_gbps": gbps,
+        "ssh_public_key": s["sshPublicKey"].strip(),
+        "checkpoint_prefix": s["checkpointPrefix"].rstrip("/"),
+        "node_ethernet_gbps": s["nodeEthernetGbps"] or ND_ETHERNET_GBITS.get(s["vmSize"], 0),
+    }
+    settings = Settings(stack=stack, **{k.field: derived.get(k.field, s[k.name]) for k in SCHEMA})
     if settings.compute_enabled:
-        from . import sizing  # local import: sizing depends on Settings
-
-        sizing.check(settings)
+        check_sizing(settings)
     return settings
+
+
+def check_sizing(s: Settings) -> sizing.Sizing:
+    """Refuse settings whose archive cannot keep up or whose retention set does not fit."""
+    z = sizing.compute(s)
+    if not z.archive_keeps_up and not s.allow_archive_backlog:
+        raise SettingsError(
+            f"tiered:checkpointIntervalSeconds: {s.checkpoint_interval_seconds} is shorter than the {z.archive_seconds:.0f} s "
+            f"it takes to archive one {s.checkpoint_size_gib} GiB checkpoint at {s.data_mover_gbps:g} GB/s, so the export backlog grows "
+            f"without bound; checkpoint every {math.ceil(z.archive_seconds)} s or more, or set tiered:allowArchiveBacklog true")
+    if not z.capacity_ok:
+        raise SettingsError(
+            f"tiered:capacityTiB: {s.capacity_tib} cannot hold the resident retention set ({z.resident_checkpoints} x "
+            f"{s.checkpoint_size_gib} GiB = {z.resident_tib:.1f} TiB); raise capacityTiB or lower tiered:retentionKeepLast")
+    return z

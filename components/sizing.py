@@ -6,13 +6,38 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .settings import Settings
+from typing import Any, Protocol
 
 GIB = 1 << 30
 TIB = 1 << 40
+
+
+class _Sku(Protocol):
+    @property
+    def mbps_per_tib(self) -> int: ...
+
+
+class Inputs(Protocol):
+    """What the model reads (settings.Settings has these): sizing depends on no other module."""
+
+    @property
+    def sku(self) -> _Sku: ...
+    @property
+    def capacity_tib(self) -> int: ...
+    @property
+    def node_ethernet_gbps(self) -> int: ...
+    @property
+    def node_count(self) -> int: ...
+    @property
+    def checkpoint_size_gib(self) -> int: ...
+    @property
+    def data_mover_gbps(self) -> float: ...
+    @property
+    def checkpoint_interval_seconds(self) -> int: ...
+    @property
+    def retention_keep_last(self) -> int: ...
+    @property
+    def retention_min_keep(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +62,7 @@ class Sizing:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-def compute(s: Settings) -> Sizing:
+def compute(s: Inputs) -> Sizing:
     provisioned = s.sku.mbps_per_tib * s.capacity_tib / 1000.0
     node_gbps = s.node_ethernet_gbps / 8.0
     nodes_eth = s.node_count * node_gbps
@@ -66,23 +91,6 @@ def compute(s: Settings) -> Sizing:
         capacity_tib=s.capacity_tib,
         capacity_ok=resident_tib <= s.capacity_tib,
     )
-
-
-def check(s: Settings) -> Sizing:
-    """Refuse settings whose archive cannot keep up or whose retention set does not fit."""
-    from .settings import SettingsError
-
-    z = compute(s)
-    if not z.archive_keeps_up and not s.allow_archive_backlog:
-        raise SettingsError(
-            f"tiered:checkpointIntervalSeconds: {s.checkpoint_interval_seconds} is shorter than the {z.archive_seconds:.0f} s "
-            f"it takes to archive one {s.checkpoint_size_gib} GiB checkpoint at {s.data_mover_gbps:g} GB/s, so the export backlog grows "
-            f"without bound; checkpoint every {math.ceil(z.archive_seconds)} s or more, or set tiered:allowArchiveBacklog true")
-    if not z.capacity_ok:
-        raise SettingsError(
-            f"tiered:capacityTiB: {s.capacity_tib} cannot hold the resident retention set ({z.resident_checkpoints} x "
-            f"{s.checkpoint_size_gib} GiB = {z.resident_tib:.1f} TiB); raise capacityTiB or lower tiered:retentionKeepLast")
-    return z
 
 
 def report(z: Sizing) -> list[tuple[str, str]]:

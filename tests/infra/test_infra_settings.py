@@ -99,6 +99,16 @@ def test_pulumi_yaml_declares_every_key_with_type_default_description() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_every_settings_field_is_a_declared_key() -> None:
+    """One declaration per key: a Settings field added without key(...) is not a stack setting."""
+    from dataclasses import fields
+
+    assert [f.name for f in fields(settings.Settings) if f.name != "stack"] == [k.field for k in settings.SCHEMA]
+    s = settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY}), "prod")
+    assert s.sku is settings.SKUS["AMLFS-Durable-Premium-500"] and s.data_mover_gbps == 7.5
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("stack", ["dev", "prod"])
 def test_stack_files_use_only_declared_keys(stack: str) -> None:
     data = yaml.safe_load((ROOT / "stacks" / f"Pulumi.{stack}.yaml").read_text())
