@@ -378,7 +378,7 @@ def _read_limited(fd: int, limit: int, what: str) -> bytes:
 
 def _why(e: OSError) -> str:
     if isinstance(e, fsafe.UnsafePath):
-        return e.strerror or str(e)
+        return f"is {e.strerror or e}"
     return f"cannot be read ({e.strerror or e})"
 
 
@@ -450,7 +450,11 @@ def _size_problems_at(dfd: int, ckpt_dir: Path, manifest: Manifest) -> list[str]
             try:
                 pfd = dirs.get(parent)
                 if pfd is None:
-                    pfd = fsafe.open_dir(ckpt_dir / parent, anchor=ckpt_dir)
+                    try:
+                        pfd = fsafe.open_dir(ckpt_dir / parent, anchor=ckpt_dir)
+                    except fsafe.UnsafePath:
+                        problems.append(f"{p}: missing ({parent} is not a real directory: never followed)")
+                        continue
                     dirs[parent] = pfd
                 st = os.lstat(leaf, dir_fd=pfd)
             except (FileNotFoundError, NotADirectoryError):
