@@ -162,8 +162,8 @@ fetch_toolkit() {{
   local tarball=$1 tries=${{2:-90}} hdr ok=0 i
   hdr=$(mktemp)
   for i in $(seq 1 "$tries"); do
-    if curl -fsS -H Metadata:true "{IMDS_TOKEN}&client_id={n.identity_client_id}" \
-         | python3 -c 'import json,sys; print("Authorization: Bearer " + json.load(sys.stdin)["access_token"])' > "$hdr" \
+    if curl -fsS -H Metadata:true "{IMDS_TOKEN}&client_id={n.identity_client_id}" \\
+         | python3 -c 'import json,sys; print("Authorization: Bearer " + json.load(sys.stdin)["access_token"])' > "$hdr" \\
        && curl -fsS -o "$tarball" -H @"$hdr" -H "x-ms-version: 2021-08-06" "{n.tools_url}"; then
       if echo "{n.tools_sha256}  $tarball" | sha256sum -c --status; then ok=1; break; fi
       log "toolkit checksum mismatch; retrying"
@@ -189,7 +189,7 @@ ln -sf {VENV}/bin/tiered-ckpt /usr/local/bin/tiered-ckpt
 #    group, setgid (new directories inherit the group), group-writable; the default ACL keeps new
 #    checkpoint directories group-writable whatever the training job's umask (acl(5)).
 getent group {SERVICE_USER} >/dev/null || groupadd --system --gid {SERVICE_ID} {SERVICE_USER}
-getent passwd {SERVICE_USER} >/dev/null || useradd --system --uid {SERVICE_ID} --gid {SERVICE_USER} \
+getent passwd {SERVICE_USER} >/dev/null || useradd --system --uid {SERVICE_ID} --gid {SERVICE_USER} \\
   --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin {SERVICE_USER}
 [ "$(getent group {SERVICE_USER} | cut -d: -f3)" = {SERVICE_ID} ] || {{ log "group {SERVICE_USER} exists with another gid than {SERVICE_ID}; every node must use the same"; exit 1; }}
 mkdir -p {n.lustre_root}/{n.model}
