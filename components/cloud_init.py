@@ -26,6 +26,12 @@ MOUNT = "/lustrefs"
 VENV = "/opt/tiered-ckpt"
 CONFIG_PATH = "/etc/tiered-ckpt/config.yaml"
 UNIT = "tiered-ckpt-retention"
+# The unprivileged system user the retention timer runs as, and the group that owns the checkpoint
+# root (training users join it). Fixed ids: every node mounts the same file system, so the group
+# must map to the same number everywhere (a dynamically allocated system id differs between nodes
+# as soon as their package sets differ). Below 60000, Debian's globally reserved range.
+SERVICE_USER = "tiered-ckpt"
+SERVICE_ID = 2742
 # IMDS: the only way a node gets a token for its user-assigned identity without a stored secret.
 IMDS_TOKEN = "http://169.254.169.254/metadata/identity/oauth2/token?api-version=2018-02-01&resource=https%3A%2F%2Fstorage.azure.com%2F"
 
@@ -150,18 +156,26 @@ mountpoint -q {MOUNT} || {{ log "could not mount {MOUNT} from {n.mgs_address}@tc
 
 # 4. The toolkit: private blob, fetched with the node's managed identity, verified by sha256.
 #    Role assignments can take minutes to propagate: retry for up to ~15 minutes.
-tarball=/var/lib/tiered-ckpt/toolkit.tar.gz
+#    The bearer token never appears on a command line (any user sees those in ps): python writes
+#    the whole header line into a mode-0600 file (mktemp(1)) and curl reads it with -H @file.
+fetch_toolkit() {{
+  local tarball=$1 tries=${{2:-90}} hdr ok=0 i
+  hdr=$(mktemp)
+  for i in $(seq 1 "$tries"); do
+    if curl -fsS -H Metadata:true "{IMDS_TOKEN}&client_id={n.identity_client_id}" \\
+         | python3 -c 'import json,sys; print("Authorization: Bearer " + json.load(sys.stdin)["access_token"])' > "$hdr" \\
+       && curl -fsS -o "$tarball" -H @"$hdr" -H "x-ms-version: 2021-08-06" "{n.tools_url}"; then
+      if echo "{n.tools_sha256}  $tarball" | sha256sum -c --status; then ok=1; break; fi
+      log "toolkit checksum mismatch; retrying"
+    fi
+    [ "$i" = "$tries" ] || sleep 10
+  done
+  rm -f "$hdr"
+  [ "$ok" = 1 ]
+}}
 mkdir -p /var/lib/tiered-ckpt
-ok=0
-for i in $(seq 1 90); do
-  token=$(curl -fsS -H Metadata:true "{IMDS_TOKEN}&client_id={n.identity_client_id}" | python3 -c 'import json,sys; print(json.load(sys.stdin)["access_token"])') || token=""
-  if [ -n "$token" ] && curl -fsS -o "$tarball" -H "Authorization: Bearer $token" -H "x-ms-version: 2021-08-06" "{n.tools_url}"; then
-    if echo "{n.tools_sha256}  $tarball" | sha256sum -c --status; then ok=1; break; fi
-    log "toolkit checksum mismatch; retrying"
-  fi
-  sleep 10
-done
-[ "$ok" = 1 ] || {{ log "could not fetch the toolkit from {n.tools_url}"; exit 1; }}
+fetch_toolkit /var/lib/tiered-ckpt/toolkit.tar.gz || {{ log "could not fetch the toolkit from {n.tools_url}"; exit 1; }}
+tarball=/var/lib/tiered-ckpt/toolkit.tar.gz
 rm -rf {VENV}/src && mkdir -p {VENV}/src
 tar -xzf "$tarball" -C {VENV}/src
 python3 -m venv {VENV}
@@ -169,8 +183,21 @@ python3 -m venv {VENV}
 {VENV}/bin/pip install -q {VENV}/src
 ln -sf {VENV}/bin/tiered-ckpt /usr/local/bin/tiered-ckpt
 
-# 5. Checkpoint root and the retention timer.
+# 5. Checkpoint root and the retention timer. Retention runs as an unprivileged system user, so a
+#    symlink or FIFO planted in the shared tree can never redirect a root-owned delete or write.
+#    It may delete only what the shared group may: the root and the model directory belong to that
+#    group, setgid (new directories inherit the group), group-writable; the default ACL keeps new
+#    checkpoint directories group-writable whatever the training job's umask (acl(5)).
+getent group {SERVICE_USER} >/dev/null || groupadd --system --gid {SERVICE_ID} {SERVICE_USER}
+getent passwd {SERVICE_USER} >/dev/null || useradd --system --uid {SERVICE_ID} --gid {SERVICE_USER} \\
+  --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin {SERVICE_USER}
+[ "$(getent group {SERVICE_USER} | cut -d: -f3)" = {SERVICE_ID} ] || {{ log "group {SERVICE_USER} exists with another gid than {SERVICE_ID}; every node must use the same"; exit 1; }}
 mkdir -p {n.lustre_root}/{n.model}
+for d in {n.lustre_root} {n.lustre_root}/{n.model}; do
+  chgrp {SERVICE_USER} "$d"
+  chmod 2775 "$d"
+  setfacl -m g:{SERVICE_USER}:rwx,d:g:{SERVICE_USER}:rwx "$d" || log "no ACL support on $d: training jobs must use umask 002"
+done
 systemctl daemon-reload
 systemctl enable --now {UNIT}.timer
 log "done"
@@ -179,6 +206,14 @@ log "done"
 
 def render(n: NodeInputs) -> str:
     """The #cloud-config document (text, before base64)."""
+    # Not root (systemd.exec(5) User=/Group=): retention deletes in a tree other users can write.
+    # Lustre lets an unprivileged user ask only for HSM restores by default (the coordinator's
+    # user/group/other request masks are RESTORE; lfs-hsm(1), the Lustre manual's HSM chapter),
+    # and AMLFS does not expose those masks: `lfs hsm_release` needs CAP_SYS_ADMIN, so with
+    # action "release" the service keeps that one capability (ambient, nothing else). No
+    # capability bypasses file permissions (CAP_DAC_OVERRIDE, CAP_FOWNER are not granted).
+    caps = ("AmbientCapabilities=CAP_SYS_ADMIN\nCapabilityBoundingSet=CAP_SYS_ADMIN\n" if n.action == "release"
+            else "AmbientCapabilities=\nCapabilityBoundingSet=\n")
     service = f"""[Unit]
 Description=tiered-ckpt retention: free Lustre only for checkpoints proven archived
 After=network-online.target remote-fs.target
@@ -187,6 +222,13 @@ RequiresMountsFor={MOUNT}
 
 [Service]
 Type=oneshot
+User={SERVICE_USER}
+Group={SERVICE_USER}
+UMask=0002
+{caps}NoNewPrivileges=yes
+ProtectSystem=full
+ProtectHome=yes
+PrivateTmp=yes
 Environment=TIERED_CKPT_CONFIG={CONFIG_PATH}
 ExecStart={VENV}/bin/tiered-ckpt retention apply --json
 """
@@ -203,7 +245,7 @@ WantedBy=timers.target
 """
     doc = {
         "package_update": True,
-        "packages": ["python3-venv", "curl", "gnupg"],
+        "packages": ["python3-venv", "curl", "gnupg", "acl"],
         "write_files": [
             {"path": CONFIG_PATH, "permissions": "0644", "owner": "root:root", "content": dump(node_config(n))},
             {"path": f"/etc/systemd/system/{UNIT}.service", "permissions": "0644", "content": service},

@@ -198,6 +198,26 @@ class BlobStore:
 
         return self.retry(f"uploading {name}", go)
 
+    def upload_fileobj(self, f: BinaryIO, rel: str, metadata: dict[str, str] | None = None,
+                       length: int | None = None, concurrency: int | None = None) -> tuple[int, str]:
+        """upload_file from a file the caller opened (and checked): each attempt re-reads it
+        from where it stood at the call."""
+        name = self.name(rel)
+        start = f.tell()
+
+        def go() -> tuple[int, str]:
+            f.seek(start)
+            size = os.fstat(f.fileno()).st_size - start if length is None else length
+            reader = _HashingReader(f)
+            self.container.upload_blob(
+                name, reader, length=size, overwrite=True,  # type: ignore[arg-type]
+                max_concurrency=concurrency or self.cfg.concurrency,
+                metadata=metadata,
+            )
+            return size, reader.hasher.hexdigest()
+
+        return self.retry(f"uploading {name}", go)
+
     def set_metadata(self, rel: str, metadata: dict[str, str]) -> None:
         name = self.name(rel)
         self.retry(f"setting metadata of {name}", lambda: self.container.get_blob_client(name).set_blob_metadata(metadata))

@@ -133,10 +133,13 @@ def cmd_bench(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
 
 def _disk_usage(path: Path) -> tuple[int, int]:
     total = count = 0
-    for e in os.scandir(path):
-        if e.is_file(follow_symlinks=False):
-            total += e.stat(follow_symlinks=False).st_size
-            count += 1
+    try:
+        for e in os.scandir(path):
+            if e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+                count += 1
+    except OSError:         # unreadable or vanished: a listing shows what it can
+        pass
     return total, count
 
 
@@ -153,7 +156,7 @@ def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
             nbytes, nfiles = _disk_usage(c.path)
         rows.append({"name": c.name, "epoch": c.id.epoch, "step": c.id.step, "committed": c.committed,
                      "bytes": nbytes, "files": nfiles, "latest": latest is not None and c.name == latest.name,
-                     "path": str(c.path)})
+                     "path": str(c.path), "problem": c.why_not_committed})
     if args.json:
         print_json({"root": str(root), "model": cfg.model, "checkpoints": rows})
         return EXIT_OK
@@ -164,8 +167,11 @@ def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
         stdout.print(f"no checkpoints under {root / cfg.model}", highlight=False)
     elif latest is not None:
         stdout.print(f"latest committed: {latest.name}", highlight=False)
-    if any(not r["committed"] for r in rows):
-        stdout.print("committed NO: a save in progress or one that never finished (no valid COMMITTED.json)", highlight=False)
+    for r in rows:
+        if r["problem"]:
+            stdout.print(f"{r['name']}: {r['problem']}", highlight=False, markup=False)
+    if any(not r["committed"] and not r["problem"] for r in rows):
+        stdout.print("committed NO: a save in progress or one that never finished (no COMMITTED.json)", highlight=False)
     return EXIT_OK
 
 
@@ -173,11 +179,11 @@ def cmd_verify(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     require_name(args.name)
     root = mf.require_root(cfg.root)
     path = root / cfg.model / args.name
-    m = mf.read_marker(path)
+    m = mf.read_marker(path, anchor=root)
     total = m.total_bytes if m is not None else 0
     with byte_progress(f"verify {args.name}", total, enabled=not args.json and args.hash) as prog:
         rep = reader.verify(path, check_hash=args.hash, threads=cfg.io.threads, block_size=cfg.io.block_size,
-                            direct=cfg.io.direct, progress=prog.advance)
+                            direct=cfg.io.direct, progress=prog.advance, anchor=root)
     out = {"ok": rep.ok, "name": rep.name, "path": rep.path, "committed": rep.committed, "bytes": rep.bytes,
            "files": rep.files, "hash_checked": rep.hashed, "problems": rep.problems, "notes": rep.notes}
     if args.json:

@@ -17,6 +17,13 @@ bytes actually sent is stored as metadata after the upload: a blob without it (c
 the two calls) is exported again and never counts as proof.
 
 Names starting with '.' under the root (the toolkit's lock and journal) are not exported.
+
+The tree is shared, so the exporter trusts nothing in it: discovery is by lstat (a symlink is
+not a regular file), the upload reads from a descriptor opened through fsafe (no symlink
+followed below the root, never a FIFO) and only if that descriptor is the very file that was
+discovered (same device, inode and size): a file swapped for a symlink between the two is
+never uploaded, and is reported as failed. A directory it cannot read and a name that is not
+UTF-8 (a Blob name must be) are reported as failed files too; the iteration goes on.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from . import fsafe
 from .blobstore import META_HASH, META_MTIME, META_SIZE, BlobInfo, BlobStore
 from .config import NodeConfig
 from .errors import UserError
@@ -71,25 +79,71 @@ class ExportStatus:
     stand_in: str = "local exporter (stand-in for AMLFS auto-export)"
 
 
-def regular_files(top: Path) -> dict[str, os.stat_result]:
+def shown(path: str | os.PathLike[str]) -> str:
+    """A path for messages and JSON: bytes that are not UTF-8 shown as \\xNN escapes (a str
+    holding the surrogates os.fsdecode makes of them cannot even be printed)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def walk_tree(top: Path) -> tuple[dict[str, os.stat_result], list[str]]:
     """Every regular file under `top` (path relative to it -> lstat), dot-names skipped: what
-    an export iteration considers (the toolkit's lock and journal start with '.')."""
+    an export iteration considers (the toolkit's lock and journal start with '.'); and what
+    could not be considered, one line each (unreadable directories, names that are not UTF-8)."""
     out: dict[str, os.stat_result] = {}
+    failed: list[str] = []
     if not top.is_dir():
-        return out
-    for dirpath, dirnames, filenames in os.walk(top):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        return out, failed
+
+    def unreadable(e: OSError) -> None:
+        where = shown(e.filename) if e.filename is not None else shown(top)
+        failed.append(f"{where}: cannot read the directory ({e.strerror or e}); its files are not exported")
+
+    for dirpath, dirnames, filenames in os.walk(top, onerror=unreadable):
         rel_dir = Path(dirpath).relative_to(top).as_posix()
+        keep = []
+        for d in dirnames:
+            if d.startswith("."):
+                continue
+            if not _utf8(d):
+                failed.append(f"{shown(os.path.join(dirpath, d))}: the name is not valid UTF-8 (Blob names must be); "
+                              "rename it to export what is under it")
+                continue
+            keep.append(d)
+        dirnames[:] = keep
         for n in filenames:
             if n.startswith("."):
+                continue
+            if not _utf8(n):
+                failed.append(f"{shown(os.path.join(dirpath, n))}: the name is not valid UTF-8 (Blob names must be); "
+                              "rename it to export it")
                 continue
             try:
                 st = os.lstat(os.path.join(dirpath, n))
             except FileNotFoundError:       # deleted since the directory was read
                 continue
+            except OSError as e:
+                failed.append(f"{shown(os.path.join(dirpath, n))}: cannot stat ({e.strerror or e})")
+                continue
             if stat.S_ISREG(st.st_mode):    # lstat: a symlink is not a regular file
                 out[n if rel_dir == "." else f"{rel_dir}/{n}"] = st
-    return out
+    return out, failed
+
+
+def regular_files(top: Path) -> dict[str, os.stat_result]:
+    """The regular files of walk_tree(top), without the list of what could not be read."""
+    return walk_tree(top)[0]
+
+
+class _Changed(Exception):
+    """The file at a discovered path is no longer the file that was discovered."""
 
 
 def default_status_path(root: str | os.PathLike[str]) -> Path:
@@ -100,9 +154,10 @@ def default_status_path(root: str | os.PathLike[str]) -> Path:
 
 def read_status(path: str | os.PathLike[str]) -> ExportStatus | None:
     try:
-        d = json.loads(Path(path).read_text())
+        # fsafe: a FIFO or a symlink planted at the status path must not hang or redirect `status`.
+        d = json.loads(fsafe.read_file(path, limit=16 << 20))
         return ExportStatus(**{k: v for k, v in d.items() if k in ExportStatus.__dataclass_fields__})
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -118,10 +173,12 @@ class Exporter:
         self.store = store or BlobStore(cfg.archive)
         self.status_path = Path(status_path) if status_path else default_status_path(cfg.root)
         self.status = read_status(self.status_path) or ExportStatus()
+        self.unreadable: list[str] = []      # what the last walk could not consider
 
     # -- discovery ------------------------------------------------------------------------
     def walk(self) -> dict[str, os.stat_result]:
-        return regular_files(self.root)
+        files, self.unreadable = walk_tree(self.root)
+        return files
 
     @staticmethod
     def changed(st: os.stat_result, blob: BlobInfo | None) -> bool:
@@ -137,9 +194,15 @@ class Exporter:
 
     # -- one iteration ----------------------------------------------------------------------
     def _export_one(self, rel: str, st: os.stat_result, per_file: int) -> int:
-        path = str(self.root / rel)
-        meta = {META_SIZE: str(st.st_size), META_MTIME: str(st.st_mtime_ns)}
-        size, digest = self.store.upload_file(path, rel, metadata=meta, length=st.st_size, concurrency=per_file)
+        # Open first, then check that the descriptor is the file discovered: between the lstat
+        # of discovery and now, the path may have been swapped (for a symlink to a secret, say).
+        fd = fsafe.open_file(self.root / rel, os.O_RDONLY, anchor=self.root)
+        with os.fdopen(fd, "rb") as f:
+            now = os.fstat(f.fileno())
+            if (now.st_dev, now.st_ino, now.st_size) != (st.st_dev, st.st_ino, st.st_size):
+                raise _Changed(rel)
+            meta = {META_SIZE: str(st.st_size), META_MTIME: str(st.st_mtime_ns)}
+            size, digest = self.store.upload_fileobj(f, rel, metadata=meta, length=st.st_size, concurrency=per_file)
         self.store.set_metadata(rel, {**meta, META_HASH: digest})
         return size
 
@@ -153,6 +216,8 @@ class Exporter:
             it.files_failed = 1
             it.errors.append(str(e))
             todo = []
+        it.files_failed += len(self.unreadable)
+        it.errors += self.unreadable
         it.files_discovered = len(todo)
         if todo:
             workers = max(1, min(self.cfg.archive.concurrency, len(todo)))
@@ -162,8 +227,10 @@ class Exporter:
                 rel, st = item
                 try:
                     return rel, self._export_one(rel, st, per_file), ""
-                except FileNotFoundError:
-                    return rel, None, ""         # deleted since discovery: nothing to export
+                except (FileNotFoundError, _Changed):
+                    return rel, None, ""         # deleted or rewritten since discovery: the next iteration sees it
+                except fsafe.UnsafePath as e:
+                    return rel, None, f"{rel}: {e.strerror}; not exported"
                 except (UserError, OSError) as e:
                     return rel, None, f"{rel}: {e}"
 

@@ -2,6 +2,9 @@
 
 Files are read in parallel, one file per thread, in block-sized O_DIRECT requests into a
 page-aligned block, hashed inline when asked, and copied into the destination buffers.
+
+Every file is opened through fsafe below the checkpoint directory: a data file that is a
+symlink (to anything, inside the tree or out of it), a FIFO or a device is refused, never read.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import fsafe
 from . import manifest as mf
 from .buffers import allocate, writable_view
 from .errors import IntegrityError, UserError
@@ -40,14 +44,17 @@ class VerifyReport:
         return self.committed and not self.problems
 
 
-def open_read(path: Path, direct: bool) -> tuple[int, bool]:
+def open_read(path: Path, direct: bool, anchor: Path | None = None) -> tuple[int, bool]:
+    """A read descriptor of a regular file (fsafe: no symlink below `anchor`, never blocks)."""
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC), True
+            return fsafe.open_file(path, os.O_RDONLY | os.O_DIRECT, anchor=anchor), True
+        except fsafe.UnsafePath:
+            raise
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno != errno.EINVAL:      # the file system does not do O_DIRECT (tmpfs)
                 raise
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
+    return fsafe.open_file(path, os.O_RDONLY, anchor=anchor), False
 
 
 def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8, block_size: int = 16 << 20,
@@ -74,7 +81,9 @@ def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8,
                 except queue.Empty:
                     return
                 try:
-                    msg = _read_one(ckpt_dir / e.path, e, view, direct, check_hash, (pieces or {}).get(e.path, []), progress)
+                    msg = _read_one(ckpt_dir, e, view, direct, check_hash, (pieces or {}).get(e.path, []), progress)
+                except fsafe.UnsafePath as err:
+                    msg = f"{ckpt_dir / e.path}: {err.strerror}"
                 except OSError as err:
                     msg = f"{ckpt_dir / e.path}: cannot read ({err.strerror or err})"
                 if msg:
@@ -91,9 +100,10 @@ def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8,
     return sorted(problems)
 
 
-def _read_one(path: Path, e: mf.FileEntry, view: memoryview, direct: bool, check_hash: bool, pieces: Pieces,
+def _read_one(ckpt_dir: Path, e: mf.FileEntry, view: memoryview, direct: bool, check_hash: bool, pieces: Pieces,
               progress: Callable[[int], None] | None) -> str | None:
-    fd, _ = open_read(path, direct)
+    path = ckpt_dir / e.path
+    fd, _ = open_read(path, direct, anchor=ckpt_dir)
     try:
         h = new_hasher() if check_hash and e.hash else None
         pieces = sorted(pieces, key=lambda p: p[0])
@@ -125,24 +135,27 @@ def _read_one(path: Path, e: mf.FileEntry, view: memoryview, direct: bool, check
 
 
 def verify(ckpt_dir: Path, *, check_hash: bool = False, threads: int = 8, block_size: int = 16 << 20,
-           direct: bool = True, progress: Callable[[int], None] | None = None) -> VerifyReport:
+           direct: bool = True, progress: Callable[[int], None] | None = None,
+           anchor: Path | None = None) -> VerifyReport:
+    """`anchor`: the checkpoint root (no symlink followed below it, the directory included)."""
     rep = VerifyReport(ckpt_dir.name, str(ckpt_dir), committed=False, hashed=check_hash)
-    if not ckpt_dir.is_dir():
+    if not os.path.lexists(ckpt_dir):
         rep.problems.append(f"{ckpt_dir} does not exist")
         return rep
+    if not fsafe.is_real_dir(ckpt_dir):
+        rep.problems.append(f"{ckpt_dir} is a symbolic link or not a directory: not a checkpoint (never followed)")
+        return rep
     marker = ckpt_dir / mf.MARKER
-    m = mf.read_marker(ckpt_dir)
+    m, why = mf.read_marker_checked(ckpt_dir, anchor=anchor)
     if m is None:
         rep.problems.append(
-            f"{marker} does not parse (torn write): not committed" if marker.exists()
+            f"{marker}: not committed (invalid marker: {why})" if why is not None
             else f"no {mf.MARKER}: not committed (a save that has not finished or crashed)"
         )
         return rep
     rep.committed = True
     rep.bytes, rep.files = m.total_bytes, len(m.files)
-    if m.name != ckpt_dir.name:
-        rep.problems.append(f"{marker} names checkpoint {m.name}, but the directory is {ckpt_dir.name}")
-    rep.problems += mf.size_problems(ckpt_dir, m)
+    rep.problems += mf.size_problems(ckpt_dir, m, anchor=anchor)
     if check_hash and not rep.problems:
         unhashed = [f.path for f in m.files if not f.hash]
         if unhashed:
@@ -165,7 +178,8 @@ def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[str, Any] | No
          progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     m = ckpt.manifest
     if m is None:
-        raise IntegrityError(f"{ckpt.path} is not committed (no valid {mf.MARKER}); load a committed checkpoint (tiered-ckpt list)")
+        why = ckpt.why_not_committed or f"not committed (no valid {mf.MARKER})"
+        raise IntegrityError(f"{ckpt.path} is {why}; load a committed checkpoint (tiered-ckpt list)")
     idx = rank_index(m, rank)
     into = into or {}
     unknown = sorted(set(into) - set(idx))
@@ -180,10 +194,10 @@ def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[str, Any] | No
                 raise IntegrityError(f"load into {name!r}: buffer has {view.nbytes} bytes, checkpoint {m.name} holds {entry['nbytes']}")
             out[name] = into[name]
         else:
-            out[name], view = allocate(entry)
+            out[name], view = _allocate(m.name, name, entry)
         for path, file_off, n, src_off in entry["segments"]:
             pieces.setdefault(path, []).append((file_off, n, view[src_off:src_off + n]))
-    problems = mf.size_problems(ckpt.path, m)
+    problems = mf.size_problems(ckpt.path, m, anchor=ckpt.path)
     if problems:
         raise IntegrityError(f"checkpoint {m.name} is damaged: " + "; ".join(problems))
     files = [f for f in m.files if f.path in pieces or (check_hash and f.rank == rank)]
@@ -192,3 +206,21 @@ def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[str, Any] | No
     if problems:
         raise IntegrityError(f"checkpoint {m.name} failed verification: " + "; ".join(problems))
     return out
+
+
+def _allocate(ckpt: str, name: str, entry: Mapping[str, Any]) -> tuple[Any, memoryview]:
+    """A new buffer for a saved one; a kind/dtype/shape the marker got wrong is an IntegrityError.
+
+    The marker's schema bounds the shape by nbytes, but only the array library knows whether a
+    dtype name is one of its own (a marker naming `torch.load` as a dtype must not crash load).
+    """
+    try:
+        obj, view = allocate(entry)
+    except (TypeError, ValueError, AttributeError, RuntimeError, MemoryError) as e:
+        raise IntegrityError(f"checkpoint {ckpt}: buffer {name!r} cannot be allocated as recorded in its marker "
+                             f"(kind {entry.get('kind')!r}, dtype {entry.get('dtype')!r}, shape {entry.get('shape')!r}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}); the marker is invalid") from None
+    if view.nbytes != entry["nbytes"]:
+        raise IntegrityError(f"checkpoint {ckpt}: buffer {name!r} is {entry['nbytes']} bytes in its marker, but its "
+                             f"dtype {entry.get('dtype')!r} and shape {entry.get('shape')!r} make {view.nbytes}; the marker is invalid")
+    return obj, view

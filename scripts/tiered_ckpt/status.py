@@ -3,7 +3,8 @@ and the accelerator layer's capacity against what retention will keep.
 
 Tier states: resident (on the accelerator layer, archive state unknown), not yet archived,
 archived (resident and proven archived), released (AMLFS: data freed, names kept), only in
-archive (committed in Blob, absent here), in flight (not committed), being deleted.
+archive (committed in Blob, absent here), in flight (not committed), invalid (a marker that
+is not valid: not committed, the detail says why), being deleted.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from . import manifest as mf
 from .backends import TierBackend, make_jobs
 from .blobstore import BlobInfo
 from .errors import UserError
-from .exporter import Exporter, default_status_path, read_status, regular_files
+from .exporter import Exporter, default_status_path, read_status, walk_tree
 from .naming import CheckpointId, parse_name
 from .proof import CheckpointProof, prove
 from .restore import archive_committed
@@ -73,9 +74,10 @@ def backlog(backend: TierBackend, model_dir: Path, listing: Mapping[str, BlobInf
 
     `listing`: the model's blobs when the caller has listed them already.
     """
-    under = regular_files(model_dir)
+    under, unreadable = walk_tree(model_dir)
+    note = f"{len(unreadable)} path(s) could not be read (first: {unreadable[0]})" if unreadable else ""
     if not under:
-        return Backlog()
+        return Backlog(note=note)
     files = {str(model_dir / rel): st for rel, st in under.items()}
     pending: list[str] = []
     hsm = backend.hsm_states(list(files))
@@ -88,7 +90,8 @@ def backlog(backend: TierBackend, model_dir: Path, listing: Mapping[str, BlobInf
                    if Exporter.changed(st, blobs.get(f"{model_dir.name}/{rel}"))]
     now = time.time()
     oldest = min((files[p].st_mtime for p in pending), default=None)
-    return Backlog(len(pending), sum(files[p].st_size for p in pending), None if oldest is None else round(now - oldest, 1))
+    return Backlog(len(pending), sum(files[p].st_size for p in pending), None if oldest is None else round(now - oldest, 1),
+                   note)
 
 
 def export_job(backend: TierBackend, export_status_path: str | os.PathLike[str] | None) -> dict[str, Any]:
@@ -143,8 +146,13 @@ def gather(backend: TierBackend, policy: Policy | None = None,
     pending = journaled(cfg.root, cfg.model)
     for c in infos:
         if not c.committed:
-            tier = "being deleted" if c.name in pending else "in flight"
-            out.checkpoints.append(CheckpointStatus(c.name, tier, 0, "not committed"))
+            if c.name in pending:
+                tier = "being deleted"
+            elif c.invalid is not None:
+                tier = "invalid"           # a marker is there, but it does not count: why says so
+            else:
+                tier = "in flight"
+            out.checkpoints.append(CheckpointStatus(c.name, tier, 0, c.why_not_committed or "not committed"))
             continue
         assert c.manifest is not None
         p = proofs.get(c.name)

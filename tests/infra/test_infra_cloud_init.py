@@ -166,3 +166,60 @@ esac
     run = subprocess.run(["bash", "-euc", 'log() { echo "$*"; }\n' + block.group(1) + '\necho "picked $pkg"'],
                          capture_output=True, text=True, timeout=30, env=env)
     assert run.returncode == 1 and "no amlfs-lustre-client package is built for kernel 6.8.0-1001-azure" in run.stdout
+
+
+def _unit(text: str, path: str) -> str:
+    doc = yaml.safe_load(text)
+    return next(f["content"] for f in doc["write_files"] if f["path"] == path)
+
+
+@pytest.mark.parametrize("action", ["release", "delete"])
+def test_retention_runs_as_an_unprivileged_user_owning_nothing_but_the_shared_group(action: str, tmp_path: Path) -> None:
+    text = cloud_init.render(_inputs(action=action))
+    assert schema_check(text.encode(), tmp_path).returncode == 0
+    service = _unit(text, f"/etc/systemd/system/{cloud_init.UNIT}.service")
+    lines = set(service.splitlines())
+    assert {"User=tiered-ckpt", "Group=tiered-ckpt", "NoNewPrivileges=yes", "UMask=0002"} <= lines
+    assert not any(ln.startswith("User=root") for ln in lines)
+    # Only hsm_release needs a capability (Lustre's HSM request masks); nothing bypasses permissions.
+    caps = "CAP_SYS_ADMIN" if action == "release" else ""
+    assert f"AmbientCapabilities={caps}" in lines and f"CapabilityBoundingSet={caps}" in lines
+    assert "DAC" not in service and "FOWNER" not in service
+    boot = _unit(text, "/usr/local/sbin/tiered-ckpt-bootstrap")
+    assert f"groupadd --system --gid {cloud_init.SERVICE_ID} tiered-ckpt" in boot
+    assert f"useradd --system --uid {cloud_init.SERVICE_ID} --gid tiered-ckpt" in boot
+    for needle in ("chgrp tiered-ckpt", "chmod 2775", "setfacl -m g:tiered-ckpt:rwx,d:g:tiered-ckpt:rwx"):
+        assert needle in boot
+    assert boot.index("useradd") < boot.index("systemctl enable --now")
+
+
+def test_the_identity_token_never_appears_on_a_command_line(tmp_path: Path) -> None:
+    """Any user on the node sees every process's argv (ps): the bearer token travels in a 0600 file."""
+    blob = b"the toolkit tarball"
+    boot = _unit(cloud_init.render(_inputs(tools_sha256=hashlib.sha256(blob).hexdigest())),
+                 "/usr/local/sbin/tiered-ckpt-bootstrap")
+    fn = re.search(r"\nfetch_toolkit\(\) \{\n.*?\n\}\n", boot, re.S)
+    assert fn, "the toolkit fetch function is missing from the bootstrap"
+    bin_dir, tmp = tmp_path / "bin", tmp_path / "tmp"
+    bin_dir.mkdir()
+    tmp.mkdir()
+    (tmp_path / "blob").write_bytes(blob)
+    (bin_dir / "curl").write_text(f"""#!/bin/bash
+printf '%s\\n' "$*" >> {tmp_path}/argv.log
+for a in "$@"; do
+  case "$a" in @*) f=${{a#@}}; stat -c %a "$f" >> {tmp_path}/mode.log; cat "$f" >> {tmp_path}/header.log ;; esac
+done
+case "$*" in *169.254.169.254*) echo '{{"access_token": "SECRET-TOKEN-123", "expires_in": "3599"}}'; exit 0 ;; esac
+while [ $# -gt 0 ]; do [ "$1" = -o ] && cp {tmp_path}/blob "$2"; shift; done
+""")
+    (bin_dir / "curl").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "TMPDIR": str(tmp)}
+    run = subprocess.run(["bash", "-euc", 'log() { echo "$*"; }\n' + fn.group(0) + f'fetch_toolkit {tmp_path}/out.tar.gz 1\n'],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "out.tar.gz").read_bytes() == blob
+    argv = (tmp_path / "argv.log").read_text()
+    assert "SECRET-TOKEN-123" not in argv and "Authorization" not in argv and argv.count("\n") == 2
+    assert (tmp_path / "header.log").read_text() == "Authorization: Bearer SECRET-TOKEN-123\n"
+    assert (tmp_path / "mode.log").read_text().split() == ["600"]
+    assert list(tmp.iterdir()) == [], "the header file is removed after use"
