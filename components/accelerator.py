@@ -32,29 +32,39 @@ class Accelerator(pulumi.ComponentResource):
     def __init__(self, name: str, args: AcceleratorArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("tiered:accelerator:Accelerator", name, None, opts)
         s = args.settings
-        squash: dict = {"mode": s.root_squash}
-        if s.root_squash != "None":
-            squash.update(squash_uid=65534, squash_gid=65534, no_squash_nid_lists=s.root_squash_trusted_nids or None)
+        # Settings has already checked every value against the API's enums (storagecache
+        # stable/2024-03-01/amlfilesystem.json); the SDK's Args classes and enums make a misspelt field
+        # a type error here instead of an ARM error at `pulumi up`.
+        squash_mode = storagecache.AmlFilesystemSquashMode(s.root_squash)
+        if squash_mode == storagecache.AmlFilesystemSquashMode.NONE:
+            squash = storagecache.AmlFilesystemRootSquashSettingsArgs(mode=squash_mode)
+        else:
+            # 65534 = nobody/nogroup; the trusted NIDs (the GPU nodes) keep root.
+            squash = storagecache.AmlFilesystemRootSquashSettingsArgs(
+                mode=squash_mode, squash_uid=65534, squash_gid=65534,
+                no_squash_nid_lists=s.root_squash_trusted_nids or None)
 
         fs = storagecache.AmlFilesystem(
             f"{name}-fs",
             aml_filesystem_name=s.amlfs_name,
             resource_group_name=args.resource_group_name,
             location=s.location,
-            sku={"name": s.sku.name},
+            sku=storagecache.SkuNameArgs(name=s.sku.name),
             storage_capacity_ti_b=float(s.capacity_tib),
             zones=[s.zone],
             filesystem_subnet=args.subnet_id,
-            maintenance_window={"day_of_week": s.maintenance_day, "time_of_day_utc": s.maintenance_time_utc},
+            maintenance_window=storagecache.AmlFilesystemMaintenanceWindowArgs(
+                day_of_week=storagecache.MaintenanceDayOfWeekType(s.maintenance_day),
+                time_of_day_utc=s.maintenance_time_utc),
             root_squash_settings=squash,
-            hsm={"settings": {
-                "container": args.data_container_id,
-                "logging_container": args.logging_container_id,
+            hsm=storagecache.AmlFilesystemHsmArgs(settings=storagecache.AmlFilesystemHsmSettingsArgs(
+                container=args.data_container_id,
+                logging_container=args.logging_container_id,
                 # Creation-time import of exactly the checkpoint prefix: on a fresh archive it is empty; when
                 # the compute side comes back it re-creates every archived checkpoint as a released stub,
                 # so `tiered-ckpt restore --latest` works on the new cluster. (The SDK would send "/".)
-                "import_prefix": s.checkpoint_prefix,
-            }},
+                import_prefix=s.checkpoint_prefix,
+            )),
             # Creation takes 10-30 min and deletion 5-20 min; the provider default would give up early.
             opts=pulumi.ResourceOptions(parent=self, depends_on=[args.grants_ready],
                                         custom_timeouts=pulumi.CustomTimeouts(create="90m", update="60m", delete="60m")),
@@ -80,7 +90,7 @@ class Accelerator(pulumi.ComponentResource):
             location=s.location,
             # Exactly one prefix (the API allows at most one): the same path the file system imports.
             auto_export_prefixes=[s.checkpoint_prefix],
-            admin_status="Enable",
+            admin_status=storagecache.AutoExportJobAdminStatus.ENABLE,
             opts=pulumi.ResourceOptions(parent=self, depends_on=[idle],
                                         custom_timeouts=pulumi.CustomTimeouts(create="30m", delete="60m")),
         )

@@ -18,7 +18,7 @@ from .core_storage import STORAGE_BLOB_DATA_READER, account_name, role_definitio
 from .settings import Settings
 
 TOOLS_CONTAINER = "tools"
-IMAGE = {"publisher": "microsoft-dsvm", "offer": "ubuntu-hpc", "sku": "2204", "version": "latest"}
+IMAGE = compute.ImageReferenceArgs(publisher="microsoft-dsvm", offer="ubuntu-hpc", sku="2204", version="latest")
 
 # What `tiered-ckpt restore` and retention do through ARM on the file system, nothing more:
 # read the file system (HSM settings, archive status); create/watch/clean up import jobs for a deleted
@@ -70,19 +70,20 @@ class Cluster(pulumi.ComponentResource):
         tools = storage.StorageAccount(
             f"{name}-tools",
             account_name=account_name(s, args.subscription_id, "tl"),
-            resource_group_name=rg, location=s.location, kind="StorageV2", sku={"name": "Standard_LRS"},
-            enable_https_traffic_only=True, minimum_tls_version="TLS1_2", allow_blob_public_access=False,
+            resource_group_name=rg, location=s.location, kind=storage.Kind.STORAGE_V2,
+            sku=storage.SkuArgs(name=storage.SkuName.STANDARD_LRS),
+            enable_https_traffic_only=True, minimum_tls_version=storage.MinimumTlsVersion.TLS1_2, allow_blob_public_access=False,
             # Shared key stays on: the provider uploads the blob with the account key.
             allow_shared_key_access=True, opts=child)
         tools_container = storage.BlobContainer(f"{name}-tools-container", resource_group_name=rg, account_name=tools.name,
-                                                container_name=TOOLS_CONTAINER, public_access="None", opts=child)
+                                                container_name=TOOLS_CONTAINER, public_access=storage.PublicAccess.NONE, opts=child)
         blob = storage.Blob(f"{name}-toolkit", resource_group_name=rg, account_name=tools.name,
-                            container_name=tools_container.name, blob_name=args.toolkit.blob_name, type="Block",
+                            container_name=tools_container.name, blob_name=args.toolkit.blob_name, type=storage.BlobType.BLOCK,
                             content_type="application/gzip", source=pulumi.FileAsset(str(args.toolkit.path)), opts=child)
 
         def grant(short: str, scope: pulumi.Input[str], role_id: pulumi.Input[str]) -> authorization.RoleAssignment:
             return authorization.RoleAssignment(
-                f"{name}-{short}", principal_id=uami.principal_id, principal_type="ServicePrincipal",
+                f"{name}-{short}", principal_id=uami.principal_id, principal_type=authorization.PrincipalType.SERVICE_PRINCIPAL,
                 role_definition_id=role_id, scope=scope, opts=child)
 
         reader = role_definition_id(args.subscription_id, STORAGE_BLOB_DATA_READER)
@@ -98,7 +99,7 @@ class Cluster(pulumi.ComponentResource):
             role_type="CustomRole",
             scope=args.resource_group_id,
             assignable_scopes=[args.resource_group_id],
-            permissions=[{"actions": NODE_ACTIONS, "not_actions": [], "data_actions": [], "not_data_actions": []}],
+            permissions=[authorization.PermissionArgs(actions=NODE_ACTIONS, not_actions=[], data_actions=[], not_data_actions=[])],
             opts=child)
         grants.append(grant("fs-jobs", args.filesystem_id, role.id))
 
@@ -113,39 +114,48 @@ class Cluster(pulumi.ComponentResource):
             f"{name}-vmss",
             resource_group_name=rg,
             location=s.location,
-            sku={"name": s.vm_size, "tier": "Standard", "capacity": s.node_count},
+            sku=compute.SkuArgs(name=s.vm_size, tier="Standard", capacity=s.node_count),
             zones=[s.zone],                      # the file system's zone: Lustre at full speed
-            orchestration_mode="Uniform",
+            orchestration_mode=compute.OrchestrationMode.UNIFORM,
             # One InfiniBand fabric: ND scale sets keep all VMs in a single placement group (<= 100 VMs),
             # one fault domain, no overprovisioned extra VMs (they would join the fabric and be deleted).
             single_placement_group=True,
             platform_fault_domain_count=1,
             overprovision=False,
-            upgrade_policy={"mode": "Manual"},   # never reimage training nodes behind the user's back
-            identity={"type": "UserAssigned", "user_assigned_identities": [uami.id]},
-            virtual_machine_profile={
-                "storage_profile": {
-                    "image_reference": IMAGE,
-                    "os_disk": {"create_option": "FromImage", "caching": "ReadWrite",
-                                "managed_disk": {"storage_account_type": "Premium_LRS"}, "disk_size_gb": 256},
-                },
-                "os_profile": {
-                    "computer_name_prefix": s.base_name[:9],
-                    "admin_username": s.admin_username,
-                    "custom_data": self.custom_data.apply(cloud_init.encode),
-                    "linux_configuration": {
-                        "disable_password_authentication": True,
-                        "ssh": {"public_keys": [{"path": f"/home/{s.admin_username}/.ssh/authorized_keys", "key_data": s.ssh_public_key}]},
-                    },
-                },
-                "network_profile": {"network_interface_configurations": [{
-                    "name": "nic",
-                    "primary": True,
-                    "enable_accelerated_networking": True,
-                    # No public_ip_address_configuration: nodes are private; outbound goes via the NAT gateway.
-                    "ip_configurations": [{"name": "ipconfig", "primary": True, "subnet": {"id": args.subnet_id}}],
-                }]},
-            },
+            # Never reimage training nodes behind the user's back.
+            upgrade_policy=compute.UpgradePolicyArgs(mode=compute.UpgradeMode.MANUAL),
+            identity=compute.VirtualMachineScaleSetIdentityArgs(type=compute.ResourceIdentityType.USER_ASSIGNED,
+                                                               user_assigned_identities=[uami.id]),
+            virtual_machine_profile=compute.VirtualMachineScaleSetVMProfileArgs(
+                storage_profile=compute.VirtualMachineScaleSetStorageProfileArgs(
+                    image_reference=IMAGE,
+                    os_disk=compute.VirtualMachineScaleSetOSDiskArgs(
+                        create_option=compute.DiskCreateOptionTypes.FROM_IMAGE, caching=compute.CachingTypes.READ_WRITE,
+                        managed_disk=compute.VirtualMachineScaleSetManagedDiskParametersArgs(
+                            storage_account_type=compute.StorageAccountTypes.PREMIUM_LRS),
+                        disk_size_gb=256),
+                ),
+                os_profile=compute.VirtualMachineScaleSetOSProfileArgs(
+                    computer_name_prefix=s.base_name[:9],
+                    admin_username=s.admin_username,
+                    custom_data=self.custom_data.apply(cloud_init.encode),
+                    linux_configuration=compute.LinuxConfigurationArgs(
+                        disable_password_authentication=True,
+                        ssh=compute.SshConfigurationArgs(public_keys=[compute.SshPublicKeyArgs(
+                            path=f"/home/{s.admin_username}/.ssh/authorized_keys", key_data=s.ssh_public_key)]),
+                    ),
+                ),
+                network_profile=compute.VirtualMachineScaleSetNetworkProfileArgs(network_interface_configurations=[
+                    compute.VirtualMachineScaleSetNetworkConfigurationArgs(
+                        name="nic",
+                        primary=True,
+                        enable_accelerated_networking=True,
+                        # No public_ip_address_configuration: nodes are private; outbound goes via the NAT gateway.
+                        ip_configurations=[compute.VirtualMachineScaleSetIPConfigurationArgs(
+                            name="ipconfig", primary=True, subnet=compute.ApiEntityReferenceArgs(id=args.subnet_id))],
+                    ),
+                ]),
+            ),
             # Nodes fetch the toolkit and call ARM at first boot: grants first.
             opts=pulumi.ResourceOptions(parent=self, depends_on=[*grants, blob],
                                         custom_timeouts=pulumi.CustomTimeouts(create="60m", update="60m", delete="60m")),

@@ -17,7 +17,8 @@ from pulumi_azure_native import authorization, resources, storage
 
 from .settings import Settings
 
-# Built-in role definition GUIDs (AZURE_FACTS.md).
+# Built-in role definition GUIDs, the same in every tenant (Azure docs: "Azure built-in roles",
+# https://learn.microsoft.com/azure/role-based-access-control/built-in-roles).
 STORAGE_ACCOUNT_CONTRIBUTOR = "17d1049b-9a84-46fb-8f53-869881c3d3ab"
 STORAGE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
 STORAGE_BLOB_DATA_READER = "2a2b9908-6ea1-4ae2-8e65-a410df84e7d1"
@@ -76,21 +77,23 @@ class CoreStorage(pulumi.ComponentResource):
             account_name=account_name(s, args.subscription_id, "st"),
             resource_group_name=rg.name,
             location=s.location,
-            kind="StorageV2",
-            sku={"name": s.storage_sku},
-            access_tier="Hot",
+            kind=storage.Kind.STORAGE_V2,
+            # Settings admits only names of storage.SkuName (REST spec storage/stable/2024-01-01/storage.json).
+            sku=storage.SkuArgs(name=storage.SkuName(s.storage_sku)),
+            access_tier=storage.AccessTier.HOT,
             enable_https_traffic_only=True,
-            minimum_tls_version="TLS1_2",
+            minimum_tls_version=storage.MinimumTlsVersion.TLS1_2,
             allow_blob_public_access=False,
             # AMLFS needs shared key access: the service mints SAS tokens from the account key for its
             # import/export data movers. Disabling it breaks blob integration.
             allow_shared_key_access=True,
-            network_rule_set={
-                "default_action": "Deny",
-                "bypass": "AzureServices",
-                "virtual_network_rules": [{"virtual_network_resource_id": sid, "action": "Allow"} for sid in args.allowed_subnet_ids],
-                "ip_rules": [],
-            },
+            network_rule_set=storage.NetworkRuleSetArgs(
+                default_action=storage.DefaultAction.DENY,
+                bypass=storage.Bypass.AZURE_SERVICES,
+                virtual_network_rules=[storage.VirtualNetworkRuleArgs(virtual_network_resource_id=sid, action=storage.Action.ALLOW)
+                                       for sid in args.allowed_subnet_ids],
+                ip_rules=[],
+            ),
             opts=keep,
         )
         storage.BlobServiceProperties(
@@ -98,38 +101,37 @@ class CoreStorage(pulumi.ComponentResource):
             resource_group_name=rg.name,
             account_name=account.name,
             blob_services_name="default",
-            delete_retention_policy={"enabled": True, "days": s.soft_delete_days},
-            container_delete_retention_policy={"enabled": True, "days": s.soft_delete_days},
+            delete_retention_policy=storage.DeleteRetentionPolicyArgs(enabled=True, days=s.soft_delete_days),
+            container_delete_retention_policy=storage.DeleteRetentionPolicyArgs(enabled=True, days=s.soft_delete_days),
             opts=child,
         )
         data = storage.BlobContainer(f"{name}-data", resource_group_name=rg.name, account_name=account.name,
-                                     container_name=DATA_CONTAINER, public_access="None", opts=keep)
+                                     container_name=DATA_CONTAINER, public_access=storage.PublicAccess.NONE, opts=keep)
         logs = storage.BlobContainer(f"{name}-logs", resource_group_name=rg.name, account_name=account.name,
-                                     container_name=LOGGING_CONTAINER, public_access="None", opts=child)
+                                     container_name=LOGGING_CONTAINER, public_access=storage.PublicAccess.NONE, opts=child)
 
         # Lustre deletes never reach Blob: without this policy the archive only grows.
-        actions: dict[str, dict] = {}
-        if s.cool_after_days:
-            actions["tier_to_cool"] = {"days_after_modification_greater_than": s.cool_after_days}
-        if s.cold_after_days:
-            actions["tier_to_cold"] = {"days_after_modification_greater_than": s.cold_after_days}
-        if s.delete_after_days:
-            actions["delete"] = {"days_after_modification_greater_than": s.delete_after_days}
-        if actions:
+        def after(days: int) -> storage.DateAfterModificationArgs | None:   # 0 = never (Settings)
+            return storage.DateAfterModificationArgs(days_after_modification_greater_than=days) if days else None
+
+        base_blob = storage.ManagementPolicyBaseBlobArgs(
+            tier_to_cool=after(s.cool_after_days), tier_to_cold=after(s.cold_after_days), delete=after(s.delete_after_days))
+        if s.cool_after_days or s.cold_after_days or s.delete_after_days:
             storage.ManagementPolicy(
                 f"{name}-lifecycle",
                 resource_group_name=rg.name,
                 account_name=account.name,
                 management_policy_name="default",
-                policy={"rules": [{
-                    "name": "checkpoint-tiering",
-                    "enabled": True,
-                    "type": "Lifecycle",
-                    "definition": {
-                        "filters": {"blob_types": ["blockBlob"], "prefix_match": [f"{DATA_CONTAINER}/{s.blob_prefix}/"]},
-                        "actions": {"base_blob": actions},
-                    },
-                }]},
+                policy=storage.ManagementPolicySchemaArgs(rules=[storage.ManagementPolicyRuleArgs(
+                    name="checkpoint-tiering",
+                    enabled=True,
+                    type=storage.RuleType.LIFECYCLE,
+                    definition=storage.ManagementPolicyDefinitionArgs(
+                        filters=storage.ManagementPolicyFilterArgs(blob_types=["blockBlob"],
+                                                                   prefix_match=[f"{DATA_CONTAINER}/{s.blob_prefix}/"]),
+                        actions=storage.ManagementPolicyActionArgs(base_blob=base_blob),
+                    ),
+                )]),
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[data]),
             )
 
@@ -138,7 +140,7 @@ class CoreStorage(pulumi.ComponentResource):
             authorization.RoleAssignment(
                 f"{name}-rp-{short}",
                 principal_id=args.rp_principal_id,
-                principal_type="ServicePrincipal",
+                principal_type=authorization.PrincipalType.SERVICE_PRINCIPAL,
                 role_definition_id=role_definition_id(args.subscription_id, guid),
                 scope=account.id,
                 opts=child,

@@ -28,32 +28,35 @@ class Network(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
 
         vnet = network.VirtualNetwork(f"{name}-vnet", resource_group_name=rg, location=s.location,
-                                      address_space={"address_prefixes": [s.vnet_cidr]}, opts=child)
+                                      address_space=network.AddressSpaceArgs(address_prefixes=[s.vnet_cidr]), opts=child)
 
-        def rule(rname: str, priority: int, direction: str, src: str, dst: str, ports: list[str],
-                 access: str = "Allow", protocol: str = "Tcp") -> dict:
-            return {"name": rname, "priority": priority, "direction": direction, "access": access, "protocol": protocol,
-                    "source_address_prefix": src, "source_port_range": "*",
-                    "destination_address_prefix": dst, "destination_port_ranges": ports}
+        Dir, Access, Proto = network.SecurityRuleDirection, network.SecurityRuleAccess, network.SecurityRuleProtocol
+
+        def rule(rname: str, priority: int, direction: network.SecurityRuleDirection, src: str, dst: str, ports: list[str],
+                 access: network.SecurityRuleAccess = Access.ALLOW,
+                 protocol: network.SecurityRuleProtocol = Proto.TCP) -> network.SecurityRuleArgs:
+            return network.SecurityRuleArgs(name=rname, priority=priority, direction=direction, access=access, protocol=protocol,
+                                            source_address_prefix=src, source_port_range="*",
+                                            destination_address_prefix=dst, destination_port_ranges=ports)
 
         amlfs, compute = s.amlfs_subnet_cidr, s.compute_subnet_cidr
         # Lustre: TCP 988 and 1019-1023, clients <-> servers in both directions (servers call clients back);
         # SSH (22) between the file system's own nodes inside its subnet (AMLFS prerequisite).
         amlfs_nsg = network.NetworkSecurityGroup(f"{name}-amlfs-nsg", resource_group_name=rg, location=s.location, security_rules=[
-            rule("lustre-in-from-compute", 100, "Inbound", compute, amlfs, LUSTRE_PORTS),
-            rule("lustre-in-within-amlfs", 110, "Inbound", amlfs, amlfs, LUSTRE_PORTS),
-            rule("ssh-in-within-amlfs", 120, "Inbound", amlfs, amlfs, ["22"]),
-            rule("lustre-out-to-compute", 100, "Outbound", amlfs, compute, LUSTRE_PORTS),
-            rule("lustre-out-within-amlfs", 110, "Outbound", amlfs, amlfs, LUSTRE_PORTS),
-            rule("ssh-out-within-amlfs", 120, "Outbound", amlfs, amlfs, ["22"]),
+            rule("lustre-in-from-compute", 100, Dir.INBOUND, compute, amlfs, LUSTRE_PORTS),
+            rule("lustre-in-within-amlfs", 110, Dir.INBOUND, amlfs, amlfs, LUSTRE_PORTS),
+            rule("ssh-in-within-amlfs", 120, Dir.INBOUND, amlfs, amlfs, ["22"]),
+            rule("lustre-out-to-compute", 100, Dir.OUTBOUND, amlfs, compute, LUSTRE_PORTS),
+            rule("lustre-out-within-amlfs", 110, Dir.OUTBOUND, amlfs, amlfs, LUSTRE_PORTS),
+            rule("ssh-out-within-amlfs", 120, Dir.OUTBOUND, amlfs, amlfs, ["22"]),
         ], opts=child)
         compute_nsg = network.NetworkSecurityGroup(f"{name}-compute-nsg", resource_group_name=rg, location=s.location, security_rules=[
-            rule("lustre-in-from-amlfs", 100, "Inbound", amlfs, compute, LUSTRE_PORTS),
-            rule("ssh-in-from-admin", 110, "Inbound", s.ssh_source_prefix, compute, ["22"]),
-            rule("cluster-in-within-compute", 120, "Inbound", compute, compute, ["0-65535"], protocol="*"),
+            rule("lustre-in-from-amlfs", 100, Dir.INBOUND, amlfs, compute, LUSTRE_PORTS),
+            rule("ssh-in-from-admin", 110, Dir.INBOUND, s.ssh_source_prefix, compute, ["22"]),
+            rule("cluster-in-within-compute", 120, Dir.INBOUND, compute, compute, ["0-65535"], protocol=Proto.ASTERISK),
             # Azure's default AllowVnetInBound would let any VNet address SSH in: SSH only from the admin prefix.
-            rule("ssh-in-deny-other", 4000, "Inbound", "*", "*", ["22"], access="Deny"),
-            rule("lustre-out-to-amlfs", 100, "Outbound", compute, amlfs, LUSTRE_PORTS),
+            rule("ssh-in-deny-other", 4000, Dir.INBOUND, "*", "*", ["22"], access=Access.DENY),
+            rule("lustre-out-to-amlfs", 100, Dir.OUTBOUND, compute, amlfs, LUSTRE_PORTS),
         ], opts=child)
 
         # New VNets no longer get default outbound access (subnets are private by default), and the nodes
@@ -61,22 +64,25 @@ class Network(pulumi.ComponentResource):
         # endpoints. A NAT gateway gives the subnet outbound-only connectivity. The file system subnet
         # needs outbound to the AzureCloud service tag for the same reason, so it shares the gateway.
         nat_ip = network.PublicIPAddress(f"{name}-nat-ip", resource_group_name=rg, location=s.location,
-                                         sku={"name": "Standard", "tier": "Regional"}, public_ip_allocation_method="Static",
+                                         sku=network.PublicIPAddressSkuArgs(name=network.PublicIPAddressSkuName.STANDARD,
+                                                                            tier=network.PublicIPAddressSkuTier.REGIONAL),
+                                         public_ip_allocation_method=network.IPAllocationMethod.STATIC,
                                          zones=[s.zone], opts=child)
-        nat = network.NatGateway(f"{name}-nat", resource_group_name=rg, location=s.location, sku={"name": "Standard"},
-                                 zones=[s.zone], public_ip_addresses=[{"id": nat_ip.id}], idle_timeout_in_minutes=10, opts=child)
+        nat = network.NatGateway(f"{name}-nat", resource_group_name=rg, location=s.location, sku=network.NatGatewaySkuArgs(name=network.NatGatewaySkuName.STANDARD),
+                                 zones=[s.zone], public_ip_addresses=[network.SubResourceArgs(id=nat_ip.id)], idle_timeout_in_minutes=10, opts=child)
 
         # Microsoft.Storage service endpoints: the storage account's firewall denies by default and admits
         # these two subnets (AMLFS import/export and the nodes' blob reads).
+        storage_endpoint = network.ServiceEndpointPropertiesFormatArgs(service="Microsoft.Storage")
         amlfs_subnet = network.Subnet(f"{name}-amlfs-subnet", resource_group_name=rg, virtual_network_name=vnet.name,
-                                      address_prefix=amlfs, network_security_group={"id": amlfs_nsg.id},
-                                      nat_gateway={"id": nat.id}, default_outbound_access=False,
-                                      service_endpoints=[{"service": "Microsoft.Storage"}], opts=child)
+                                      address_prefix=amlfs, network_security_group=network.NetworkSecurityGroupArgs(id=amlfs_nsg.id),
+                                      nat_gateway=network.SubResourceArgs(id=nat.id), default_outbound_access=False,
+                                      service_endpoints=[storage_endpoint], opts=child)
         # Subnets of one VNet are written one at a time (ARM rejects concurrent subnet updates).
         compute_subnet = network.Subnet(f"{name}-compute-subnet", resource_group_name=rg, virtual_network_name=vnet.name,
-                                        address_prefix=compute, network_security_group={"id": compute_nsg.id},
-                                        nat_gateway={"id": nat.id}, default_outbound_access=False,
-                                        service_endpoints=[{"service": "Microsoft.Storage"}],
+                                        address_prefix=compute, network_security_group=network.NetworkSecurityGroupArgs(id=compute_nsg.id),
+                                        nat_gateway=network.SubResourceArgs(id=nat.id), default_outbound_access=False,
+                                        service_endpoints=[storage_endpoint],
                                         opts=pulumi.ResourceOptions(parent=self, depends_on=[amlfs_subnet]))
 
         self.vnet_id = vnet.id

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pulumi
 import pulumi_azuread as azuread
@@ -25,6 +25,29 @@ from .settings import Settings
 HPC_CACHE_RP_APP_ID = "4392ab71-2ce2-4b0d-8770-b352745c73f5"
 
 
+class StackOutputs(TypedDict):
+    """The stack outputs (`pulumi stack output`); the compute keys are None while computeEnabled is false."""
+    subscriptionId: pulumi.Output[str]
+    storageResourceGroup: pulumi.Output[str]
+    storageAccountName: pulumi.Output[str]
+    storageAccountUrl: pulumi.Output[str]
+    dataContainer: pulumi.Output[str]
+    loggingContainer: pulumi.Output[str]
+    dataContainerId: pulumi.Output[str]
+    checkpointPrefix: str
+    computeEnabled: bool
+    sizing: dict[str, Any]
+    computeResourceGroup: pulumi.Output[str] | None
+    amlfsName: pulumi.Output[str] | None
+    autoExportJobName: pulumi.Output[str] | None
+    mgsAddress: pulumi.Output[str] | None
+    mountCommand: pulumi.Output[str] | None
+    provisionedGBps: pulumi.Output[float] | None
+    nodeCount: int | None
+    scaleSetName: pulumi.Output[str] | None
+    nodeIdentityClientId: pulumi.Output[str] | None
+
+
 @dataclass
 class PlatformArgs:
     settings: Settings
@@ -33,7 +56,7 @@ class PlatformArgs:
 
 
 class Platform(pulumi.ComponentResource):
-    outputs: dict[str, Any]
+    outputs: StackOutputs
 
     def __init__(self, name: str, args: PlatformArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("tiered:platform:Platform", name, None, opts)
@@ -57,7 +80,7 @@ class Platform(pulumi.ComponentResource):
             allowed_subnet_ids=[network.amlfs_subnet_id, network.compute_subnet_id] if network else []),
             opts=pulumi.ResourceOptions(parent=self))
 
-        out: dict[str, Any] = {
+        out: StackOutputs = {
             "subscriptionId": subscription_id,
             "storageResourceGroup": core.resource_group_name,
             "storageAccountName": core.account_name,

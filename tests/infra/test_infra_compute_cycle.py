@@ -1,4 +1,4 @@
-"""Issue 6, program side: compute off keeps exactly the archive; compute on again re-imports the checkpoints."""
+"""The compute-off/on cycle, program side: compute off keeps exactly the archive; compute on again re-imports the checkpoints."""
 from __future__ import annotations
 
 import pytest
