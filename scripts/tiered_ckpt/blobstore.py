@@ -70,13 +70,17 @@ class _HashingReader:
     them in parallel, so the hash is of exactly the bytes uploaded.
     """
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: BinaryIO, activity: list[float] | None = None) -> None:
         self._f = f
         self.hasher = new_hasher()
+        self._activity = activity
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)
         self.hasher.update(data)
+        if self._activity is not None:
+            # The SDK reads the next block once the previous ones went out: progress.
+            self._activity[0] = time.monotonic()
         return data
 
     def seekable(self) -> bool:
@@ -190,13 +194,16 @@ class BlobStore:
         start = self.name(rel_prefix).strip("/")
         start = start + "/" if start else ""
 
+        activity = [0.0]
+
         def go() -> dict[str, BlobInfo]:
             out: dict[str, BlobInfo] = {}
             for b in self.container.list_blobs(name_starts_with=start, include=["metadata"]):
                 out[self.rel(b.name)] = BlobInfo(b.name, int(b.size or 0), dict(b.metadata or {}))
+                activity[0] = time.monotonic()        # pages keep arriving: progress
             return out
 
-        return self.retry(f"listing {start}", go)
+        return self.retry(f"listing {start}", go, activity=activity)
 
     def get_bytes(self, rel: str) -> bytes | None:
         def go() -> bytes | None:
@@ -214,11 +221,12 @@ class BlobStore:
                     length: int | None = None, concurrency: int | None = None) -> tuple[int, str]:
         """Upload under the blob name of `rel`; returns (bytes, xxh3-128 of what was sent)."""
         name = self.name(rel)
+        activity = [0.0]
 
         def go() -> tuple[int, str]:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size if length is None else length
-                reader = _HashingReader(f)
+                reader = _HashingReader(f, activity)
                 self.container.upload_blob(
                     name, reader, length=size, overwrite=True,  # type: ignore[arg-type]
                     max_concurrency=concurrency or self.cfg.concurrency,
@@ -226,7 +234,7 @@ class BlobStore:
                 )
                 return size, reader.hasher.hexdigest()
 
-        return self.retry(f"uploading {name}", go)
+        return self.retry(f"uploading {name}", go, activity=activity)
 
     def set_metadata(self, rel: str, metadata: dict[str, str]) -> None:
         name = self.name(rel)

@@ -8,10 +8,16 @@ checkpoints: RWKV-infctx-trainer #13). A checkpoint the rules let go is deleted 
 only when every file is proven archived; otherwise it is blocked, naming the first file.
 
 Apply. Under an flock on <root>/<model>/.retention.lock it re-scans and re-proves (the plan a
-user looked at may be stale), then per checkpoint: write a journal entry, remove the marker
-(so it no longer looks committed anywhere on this tier), remove the data, drop the journal
-entry. A run killed at any point leaves either a committed checkpoint (untouched) or a
-journal entry that the next run finishes; never a directory that looks committed but is not.
+user looked at may be stale), then per checkpoint takes that checkpoint's own lock without
+waiting (lock.checkpoint_lock: a save or restore holding it makes it "busy" this run) and,
+holding it, re-checks the evidence: the same marker bytes as the plan saw and a fresh archive
+proof (delete, release), or the journal entry still there and still no marker (resume-delete).
+Only then: write a journal entry, record a tombstone (the name now lives only in the archive),
+remove the marker (so it no longer looks committed anywhere on this tier), remove the data,
+drop the journal entry. A run killed at any point leaves either a committed checkpoint
+(untouched) or a journal entry that the next run finishes unless the name was saved or
+restored since; never a directory that looks committed but is not. A checkpoint restored less
+than `restore_grace` ago is kept, so that a restore is followed by its use.
 """
 from __future__ import annotations
 
