@@ -20,6 +20,7 @@ from tiered_ckpt.hashing import new_hasher
 from tiered_ckpt.restore import restore
 
 from tests.lifecycle.helpers import local_cfg, make_checkpoint
+from tests.lifecycle.test_lifecycle_amlfs import _import_hook, aml, auto_export, backend_of  # noqa: F401
 
 NAME = "global_epoch0_step10"
 PREFIX = f"checkpoints/m/{NAME}"
@@ -179,3 +180,41 @@ def test_restore_into_a_symlinked_directory_is_refused(env, tmp_path: Path, link
         restore(cfg, LocalBackend(cfg, store), NAME, progress=False)
     assert e.value.exit_code == 4
     assert list(outside.iterdir()) == []
+
+
+# -- AMLFS: the import job and hsm_restore bring bytes from the archive too ---------------------
+
+def test_amlfs_import_of_a_damaged_archive_is_refused_and_its_marker_removed(aml, arm_env) -> None:  # noqa: F811
+    from tiered_ckpt import retention as ret
+
+    cfg, store, cc, _ = aml
+    cfg = cfg.with_overrides(amlfs=arm_env.config_values())
+    for s in (10, 20):
+        make_checkpoint(cfg.root, "m", 0, s)
+    auto_export(cfg.root, store)
+    backend = backend_of(cfg, store)
+    assert ret.apply(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).done == [f"delete {NAME}"]
+    size = cc.get_blob_client(f"{PREFIX}/rank0_shard1.bin").get_blob_properties().size
+    cc.upload_blob(f"{PREFIX}/rank0_shard1.bin", bytes(size), overwrite=True)      # same size, zeros
+    arm_env.scenario.import_hook = _import_hook(cfg, store)
+    with pytest.raises(IntegrityError, match=r"rank0_shard1\.bin.*archive copy itself is damaged"):
+        restore(cfg, backend, NAME, progress=False)                                 # no --verify
+    assert (ckpt_dir(cfg) / "rank0_shard0.bin").exists()              # the import did bring the files...
+    assert not os.path.lexists(ckpt_dir(cfg) / mf.MARKER)             # ...but nothing looks committed
+    assert arm_env.kinds("autoexport.patch")[-1] == "autoexport.patch:Enable"
+
+
+def test_amlfs_files_back_from_hsm_restore_are_hash_checked_without_verify(aml) -> None:  # noqa: F811
+    from tiered_ckpt import retention as ret
+
+    cfg, store, _, _ = aml
+    for s in (10, 20):
+        make_checkpoint(cfg.root, "m", 0, s, files={"s0.bin": os.urandom(4096), "s1.bin": os.urandom(4096)})
+    auto_export(cfg.root, store)
+    backend = backend_of(cfg, store)
+    assert ret.apply(cfg, backend, ret.Policy(keep_last=1, min_keep=1, action="release")).done == [f"release {NAME}"]
+    # What hsm_restore will bring back from the archive: same size, other bytes (the fake lfs
+    # keeps a released file's bytes where they are).
+    (ckpt_dir(cfg) / "s1.bin").write_bytes(bytes(4096))
+    with pytest.raises(IntegrityError, match=r"s1\.bin.*archive copy itself is damaged"):
+        restore(cfg, backend, NAME, progress=False)
