@@ -33,6 +33,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,7 +278,12 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
     _refuse_links(root, cfg.model, ckpt_dir)
     t0 = time.monotonic()
     try:
-        with checkpoint_lock(root, cfg.model, cname, "restore", wait=lock_wait):
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(checkpoint_lock(root, cfg.model, cname, "restore", wait=lock_wait))
+            except ConflictError as e:
+                raise ConflictError(f"{e} (restore waited {lock_wait:g} s; raise it with --wait SECONDS)"
+                                    if lock_wait else str(e)) from None
             # What was chosen may have changed while this waited (another restore finished it,
             # retention deleted it): decide again under the lock.
             _refuse_links(root, cfg.model, ckpt_dir)
@@ -295,12 +301,10 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
             res.seconds = time.monotonic() - t0
             _bookkeeping(cfg, cname, res)
             return res
-    except ConflictError as e:
-        raise ConflictError(f"{e} (restore waited {lock_wait:g} s; raise it with --wait SECONDS)"
-                            if lock_wait else str(e)) from None
     except fsafe.UnsafePath as e:
         raise UserError(f"{e.filename}: {e.strerror}; restore never follows links in the checkpoint tree — "
                         "remove it and re-run", exit_code=EXIT_CONFLICT) from None
+    raise AssertionError("unreachable")       # for mypy: the with block always returns or raises
 
 
 def _bookkeeping(cfg: NodeConfig, name: str, res: RestoreResult) -> None:
