@@ -10,19 +10,25 @@
 """
 from __future__ import annotations
 
+import errno
 import os
+import posixpath
+import re
+import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from . import blobstore
+from . import blobstore, fsafe
 from .blobstore import BlobStore
 from .config import NodeConfig
 from .errors import ConfigError, IntegrityError, UnavailableError
+from .hashing import new_hasher
 from .hsm import HsmState, Lfs
-from .manifest import MARKER, Manifest, fsync_dir
+from .manifest import MARKER, FileEntry, Manifest
 
 
 class ImportJobs(Protocol):
@@ -67,14 +73,98 @@ class TierBackend(ABC):
         """Free the data of archived files but keep their names (AMLFS only)."""
 
     @abstractmethod
-    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> int:
-        """Make released files resident again; returns how many needed it. `progress` gets the
-        bytes of each file as it becomes resident."""
+    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> list[str]:
+        """Make released files resident again; returns the paths that needed it (their bytes came
+        from the archive). `progress` gets the bytes of each file as it becomes resident."""
 
     @abstractmethod
-    def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> None:
+    def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> bool:
         """Bring the data files of a checkpoint that is only in the archive back onto the
-        accelerator layer. The caller verifies and writes the marker last."""
+        accelerator layer, each checked against the marker's hash (IntegrityError naming the
+        file if the archive's copy differs). True when every file had a hash to check. The
+        caller checks sizes and writes the marker last."""
+
+
+# --------------------------------------------------------------------------------------------
+# Restore helpers: every path under the root is opened through fsafe (anchor = the root), so a
+# symlink planted anywhere in the checkpoint tree is refused, never followed.
+
+_TEMP = re.compile(r"^\..+\.restoring$")
+
+
+def ensure_dir(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> int:
+    """A descriptor of directory `path` under `root`, creating missing components (0755).
+
+    No component below the root may be a symlink (fsafe.UnsafePath otherwise).
+    """
+    r, p = Path(root), Path(path)
+    parts = p.relative_to(r).parts
+    fd = os.open(r, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts):
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise fsafe.UnsafePath(
+                        errno.ELOOP, "a symbolic link or a file where a directory was expected, refused (never followed)",
+                        str(r.joinpath(*parts[: i + 1]))) from None
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def hash_fd(fd: int, chunk: int = 8 << 20) -> str:
+    """xxh3-128 of a whole open file, read with pread (the descriptor's offset is untouched)."""
+    h = new_hasher()
+    off = 0
+    while True:
+        b = os.pread(fd, chunk, off)
+        if not b:
+            return h.hexdigest()
+        h.update(b)
+        off += len(b)
+
+
+def hash_at(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
+    """xxh3-128 of a regular file under the root (no symlink followed, a FIFO refused)."""
+    fd = fsafe.open_file(path, anchor=root)
+    try:
+        return hash_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def archive_damaged(name: str, path: str | os.PathLike[str], got: str, want: str, against: str = "its marker") -> IntegrityError:
+    return IntegrityError(
+        f"checkpoint {name}: the archive's copy of {path} does not match {against} (xxh3-128 {got}, expected "
+        f"{want}): the archive copy itself is damaged or was overwritten by a later save of this name. "
+        "Nothing was restored under its final name and no marker was written, so it does not look committed; "
+        "restoring again would fetch the same bytes — restore another checkpoint (`tiered-ckpt status` lists them)"
+    )
+
+
+def temp_name(final: str) -> str:
+    """A dot-name (the exporter skips it) unique to this process and call."""
+    return f".{final}.{os.getpid()}.{secrets.token_hex(6)}.restoring"
+
+
+def clean_temps(dfd: int) -> None:
+    """Remove leftover restore temp files of killed restores (the caller holds the checkpoint lock)."""
+    for n in os.listdir(dfd):
+        if _TEMP.match(n):
+            try:
+                os.unlink(n, dir_fd=dfd)      # a planted symlink is removed itself, never followed
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                pass
 
 
 class LocalBackend(TierBackend):
@@ -86,34 +176,83 @@ class LocalBackend(TierBackend):
     def release(self, paths: Sequence[str]) -> None:
         raise ConfigError("retention action release needs backend amlfs (lfs hsm_release); use --action delete with the local back-end")
 
-    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> int:
-        return 0
+    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> list[str]:
+        return []
 
-    def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> None:
-        # Each file arrives under a dot-name the local exporter skips, and takes its final name
-        # only when complete: the exporter uploads new and changed files, so a half-downloaded
-        # file under its final name (restore still running, or killed) would overwrite the good
-        # blob, the only copy left. (On AMLFS the import job pauses auto-export instead.)
+    def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> bool:
+        # Each file arrives in a temp file of this process (O_EXCL, a dot-name the local exporter
+        # skips) and takes its final name only once every file is complete and matches the
+        # marker's hash: the exporter uploads new and changed files, so a half-downloaded or
+        # damaged file under its final name (restore still running, or killed) would overwrite
+        # the good blob, the only copy left. (On AMLFS the import job pauses auto-export instead.)
+        root = Path(self.cfg.root)
         base = self.rel(ckpt_dir)
-        final = [ckpt_dir / f.path for f in manifest.files]
-        parts = [p.with_name(f".{p.name}.restoring") for p in final]
-        items = [(f"{base}/{f.path}", str(part)) for f, part in zip(manifest.files, parts, strict=True)]
+        blobs = self.store.listing(base)
+        dirs: dict[str, int] = {}
+        temps: list[tuple[int, str, int, str]] = []     # (dir fd, temp name, fd, display path)
+        renamed: set[str] = set()
         try:
-            self.store.download_many(items, progress)
-            # Give each file back the mtime it was exported with (like `rsync -t`), so the
-            # exporter does not see restored files as changed and upload them again.
-            blobs = self.store.listing(base)
-            for (rel, _), part, dest in zip(items, parts, final, strict=True):
-                b = blobs.get(rel)
+            for f in manifest.files:
+                parent = posixpath.dirname(f.path)
+                if parent not in dirs:
+                    dirs[parent] = ensure_dir(root, ckpt_dir / parent if parent else ckpt_dir)
+                    clean_temps(dirs[parent])
+            for f in manifest.files:
+                dfd = dirs[posixpath.dirname(f.path)]
+                tmp = temp_name(posixpath.basename(f.path))
+                fd = fsafe.open_file(Path(tmp), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+                temps.append((dfd, tmp, fd, str(ckpt_dir / posixpath.dirname(f.path) / tmp)))
+            items = [(f"{base}/{f.path}", t[3]) for f, t in zip(manifest.files, temps, strict=True)]
+            self.store.download_many(items, progress, fds={t[3]: t[2] for t in temps})
+
+            def check(job: tuple[FileEntry, tuple[int, str, int, str]]) -> bool:
+                f, (_, _, fd, _) = job
+                b = blobs.get(f"{base}/{f.path}")
+                size = os.fstat(fd).st_size
+                if size != f.size:
+                    raise IntegrityError(
+                        f"checkpoint {manifest.name}: the archive's copy of {ckpt_dir / f.path} has {size} bytes, its "
+                        f"marker says {f.size}: the archive changed during the restore; re-run restore")
+                want, against = f.hash, "its marker"
+                if want is None and b is not None and b.xxh3:
+                    want, against = b.xxh3, "the hash the exporter recorded"   # saved without hashes
+                if want is not None:
+                    got = hash_fd(fd)
+                    if got != want:
+                        raise archive_damaged(manifest.name, ckpt_dir / f.path, got, want, against)
+                os.fchmod(fd, 0o644)        # explicit: the process umask must not decide
                 mtime = b.metadata.get(blobstore.META_MTIME) if b else None
-                if b is not None and mtime and mtime.isdigit() and part.stat().st_size == b.size:
-                    os.utime(part, ns=(int(mtime), int(mtime)))
-                os.replace(part, dest)
+                if mtime and mtime.isdigit():
+                    # Give each file back the mtime it was exported with (like `rsync -t`), so the
+                    # exporter does not see restored files as changed and upload them again.
+                    os.utime(fd, ns=(int(mtime), int(mtime)))
+                os.fsync(fd)
+                return f.hash is not None
+
+            with ThreadPoolExecutor(max(1, min(self.cfg.archive.concurrency, len(temps)))) as ex:
+                hashed = list(ex.map(check, zip(manifest.files, temps, strict=True)))
+            for f, (dfd, tmp, fd, _) in zip(manifest.files, temps, strict=True):
+                final = posixpath.basename(f.path)
+                # rename(2) replaces whatever entry has the final name (a planted symlink
+                # included) without following it.
+                os.rename(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
+                renamed.add(tmp)
+                st, now = os.fstat(fd), os.lstat(final, dir_fd=dfd)
+                if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+                    raise IntegrityError(f"{ckpt_dir / f.path} was replaced while restore renamed it into place; re-run restore")
+            for dfd in dirs.values():
+                os.fsync(dfd)
+            return all(hashed)
         finally:
-            for part in parts:
-                part.unlink(missing_ok=True)
-        for d in {p.parent for p in final}:
-            fsync_dir(d)
+            for dfd, tmp, fd, _ in temps:
+                os.close(fd)
+                if tmp not in renamed:
+                    try:
+                        os.unlink(tmp, dir_fd=dfd)
+                    except FileNotFoundError:
+                        pass
+            for dfd in dirs.values():
+                os.close(dfd)
 
 
 class AmlfsBackend(TierBackend):
@@ -139,7 +278,7 @@ class AmlfsBackend(TierBackend):
     def release(self, paths: Sequence[str]) -> None:
         self.lfs.release(paths)
 
-    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> int:
+    def prefetch(self, paths: Sequence[str], progress: Callable[[int], None] | None = None) -> list[str]:
         states, errors = self.lfs.states(paths)
         if errors:
             p, e = next(iter(errors.items()))
@@ -152,9 +291,9 @@ class AmlfsBackend(TierBackend):
 
             self.lfs.restore(released)
             self.lfs.wait_resident(released, self.restore_timeout, self.poll, resident)
-        return len(released)
+        return released
 
-    def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> None:
+    def rehydrate(self, manifest: Manifest, ckpt_dir: Path, progress: Callable[[int], None]) -> bool:
         # AMLFS maps blob <p> to /lustrefs/<p>: the import prefix is the checkpoint's blob
         # prefix as a path. The trailing '/' keeps step10 from matching step100.
         prefix = "/" + blobstore.blob_name(self.cfg.archive.prefix, self.rel(ckpt_dir)) + "/"
@@ -177,6 +316,19 @@ class AmlfsBackend(TierBackend):
                 raise UnavailableError(f"{len(missing)} files of {manifest.name} did not appear after the import (first: {missing[0]})")
             time.sleep(self.poll)
         self.prefetch(paths, progress)
+        # Every byte came from the archive: check each file against the marker (xxh3 reads far
+        # faster than the import brings data). The caller removes the imported marker if not.
+        root = self.cfg.root
+        hashed = [f for f in manifest.files if f.hash is not None]
+
+        def check(f: FileEntry) -> None:
+            got = hash_at(root, ckpt_dir / f.path)
+            if got != f.hash:
+                raise archive_damaged(manifest.name, ckpt_dir / f.path, got, str(f.hash))
+
+        with ThreadPoolExecutor(max(1, min(self.cfg.archive.concurrency, len(hashed) or 1))) as ex:
+            list(ex.map(check, hashed))
+        return len(hashed) == len(manifest.files)
 
 
 def make_jobs(cfg: NodeConfig) -> ImportJobs:

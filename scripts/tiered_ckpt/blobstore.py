@@ -7,9 +7,10 @@ an unreachable archive must end in one clear message, never a hang or a tracebac
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
@@ -21,6 +22,7 @@ from azure.core.exceptions import (
 )
 from azure.storage.blob import BlobServiceClient, ContainerClient
 
+from . import fsafe
 from .config import ArchiveConfig
 from .errors import ConfigError, UnavailableError, UserError
 from .hashing import new_hasher
@@ -57,6 +59,10 @@ def blob_name(prefix: str, rel: str) -> str:
     return f"{prefix}/{rel}" if prefix else rel
 
 
+class _Cancelled(Exception):
+    """A transfer stopped because another one of the same operation failed (not an error of its own)."""
+
+
 class _HashingReader:
     """A read-only, non-seekable view of a file that hashes what it hands out.
 
@@ -64,13 +70,17 @@ class _HashingReader:
     them in parallel, so the hash is of exactly the bytes uploaded.
     """
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: BinaryIO, activity: list[float] | None = None) -> None:
         self._f = f
         self.hasher = new_hasher()
+        self._activity = activity
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)
         self.hasher.update(data)
+        if self._activity is not None:
+            # The SDK reads the next block once the previous ones went out: progress.
+            self._activity[0] = time.monotonic()
         return data
 
     def seekable(self) -> bool:
@@ -81,7 +91,7 @@ class BlobStore:
     """One container of the archive, with retries and clear errors."""
 
     def __init__(self, cfg: ArchiveConfig, *, backoff: float = 0.5, max_backoff: float = 8.0,
-                 connection_timeout: float = 10.0, read_timeout: float = 60.0) -> None:
+                 connection_timeout: float | None = None, read_timeout: float | None = None) -> None:
         if not configured(cfg):
             raise ConfigError(
                 "archive: neither archive.account_url nor archive.connection_string is set; "
@@ -91,10 +101,14 @@ class BlobStore:
         self.prefix = cfg.prefix.strip("/")
         self.backoff = backoff
         self.max_backoff = max_backoff
+        # Per request (archive.timeout): the connect, and each socket read. The SDK's download
+        # code re-sends a request whose body stalled (up to 3 times, outside its retry policy),
+        # so one attempt can wait about twice this; retry() bounds the whole operation.
+        self.timeout = float(read_timeout if read_timeout is not None else getattr(cfg, "timeout", 30.0))
         kw: dict[str, Any] = {
             "retry_total": 0,
-            "connection_timeout": connection_timeout,
-            "read_timeout": read_timeout,
+            "connection_timeout": connection_timeout if connection_timeout is not None else min(10.0, self.timeout),
+            "read_timeout": self.timeout,
         }
         if cfg.connection_string:
             svc = BlobServiceClient.from_connection_string(cfg.connection_string, **kw)
@@ -109,11 +123,27 @@ class BlobStore:
         self.container: ContainerClient = svc.get_container_client(cfg.container)
 
     # -- retries ---------------------------------------------------------------------------
-    def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Run fn with backoff on transient errors; UnavailableError after archive.retries."""
+    def retry(self, what: str, fn: Callable[[], T], *, cancel: threading.Event | None = None,
+              activity: list[float] | None = None) -> T:
+        """Run fn with backoff on transient errors; UnavailableError after archive.retries.
+
+        Budget: (retries + 1) x archive.timeout without progress. A frozen server makes each
+        attempt wait out its read timeout (sometimes twice, see __init__); once the operation
+        has gone that long without progress it fails, whatever attempts are left. `activity[0]`
+        (monotonic time of the last bytes received, kept by the caller) resets that clock, so
+        a long healthy transfer that then fails still gets its retries. `cancel`: another part
+        of the same operation failed already; stop before the next attempt.
+        """
         attempts = self.cfg.retries + 1
+        budget = attempts * self.timeout
+        start = time.monotonic()
         delay = self.backoff
+        last: Exception | None = None
+        tried = 0
         for i in range(attempts):
+            if cancel is not None and cancel.is_set():
+                raise _Cancelled()
+            tried += 1
             try:
                 return fn()
             except ResourceNotFoundError as e:
@@ -134,16 +164,20 @@ class BlobStore:
                 if status and status < 500 and status not in (408, 429):
                     msg = str(getattr(e, "message", "") or e).splitlines()[0][:300]
                     raise UserError(f"the archive {self.where} refused {what}: {msg} (HTTP {status})", exit_code=1) from None
-                last: Exception = e
+                last = e
             except (AzureError, ConnectionError, TimeoutError) as e:
                 # Local file errors (FileNotFoundError, ...) are not the archive's: they propagate.
                 last = e
             if i + 1 < attempts:
+                quiet_since = max(start, activity[0]) if activity else start
+                if time.monotonic() + delay - quiet_since >= budget:
+                    break           # out of budget: no attempt left would finish in time
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
-        reason = str(last).splitlines()[0][:200] if str(last) else type(last).__name__
+        reason = (str(last).splitlines()[0][:200] if str(last) else type(last).__name__) if last else "no answer"
         raise UnavailableError(
-            f"the archive {self.where} is unreachable: {what} failed {attempts} times ({reason}); "
+            f"the archive {self.where} is unreachable: {what} failed {tried} times ({reason}; archive.timeout "
+            f"{self.timeout:g}s, archive.retries {self.cfg.retries}); "
             "check that the storage account (or Azurite) is up and reachable, then re-run — nothing was deleted"
         )
 
@@ -160,13 +194,16 @@ class BlobStore:
         start = self.name(rel_prefix).strip("/")
         start = start + "/" if start else ""
 
+        activity = [0.0]
+
         def go() -> dict[str, BlobInfo]:
             out: dict[str, BlobInfo] = {}
             for b in self.container.list_blobs(name_starts_with=start, include=["metadata"]):
                 out[self.rel(b.name)] = BlobInfo(b.name, int(b.size or 0), dict(b.metadata or {}))
+                activity[0] = time.monotonic()        # pages keep arriving: progress
             return out
 
-        return self.retry(f"listing {start}", go)
+        return self.retry(f"listing {start}", go, activity=activity)
 
     def get_bytes(self, rel: str) -> bytes | None:
         def go() -> bytes | None:
@@ -184,11 +221,12 @@ class BlobStore:
                     length: int | None = None, concurrency: int | None = None) -> tuple[int, str]:
         """Upload under the blob name of `rel`; returns (bytes, xxh3-128 of what was sent)."""
         name = self.name(rel)
+        activity = [0.0]
 
         def go() -> tuple[int, str]:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size if length is None else length
-                reader = _HashingReader(f)
+                reader = _HashingReader(f, activity)
                 self.container.upload_blob(
                     name, reader, length=size, overwrite=True,  # type: ignore[arg-type]
                     max_concurrency=concurrency or self.cfg.concurrency,
@@ -196,7 +234,7 @@ class BlobStore:
                 )
                 return size, reader.hasher.hexdigest()
 
-        return self.retry(f"uploading {name}", go)
+        return self.retry(f"uploading {name}", go, activity=activity)
 
     def upload_fileobj(self, f: BinaryIO, rel: str, metadata: dict[str, str] | None = None,
                        length: int | None = None, concurrency: int | None = None) -> tuple[int, str]:
@@ -223,36 +261,85 @@ class BlobStore:
         self.retry(f"setting metadata of {name}", lambda: self.container.get_blob_client(name).set_blob_metadata(metadata))
 
     def download_file(self, rel: str, dest: str, progress: Callable[[int], None] | None = None,
-                      concurrency: int | None = None) -> int:
-        """Download one blob to `dest` (final name, truncated first), fsynced. Returns bytes."""
+                      concurrency: int | None = None, *, fd: int | None = None,
+                      cancel: threading.Event | None = None) -> int:
+        """Download one blob, fsynced; returns its bytes.
+
+        fd: an open, writable descriptor of a file the caller created for this download (it is
+        truncated before each attempt; `dest` then only names it in messages). Without fd,
+        `dest` is opened with O_NOFOLLOW and must be a regular file or absent.
+        """
         name = self.name(rel)
+        activity = [0.0]
 
         def go() -> int:
             done = [0]
 
             def hook(current: int, total: int | None) -> None:
+                activity[0] = time.monotonic()
                 if progress is not None and current > done[0]:
                     progress(current - done[0])
                     done[0] = current
 
-            os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
-            with open(dest, "wb") as f:
-                n = self.container.download_blob(
-                    name, max_concurrency=concurrency or self.cfg.concurrency, progress_hook=hook
-                ).readinto(f)
-                f.flush()
-                os.fsync(f.fileno())
+            own = fd is None
+            if own:
+                os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+                target = fsafe.open_file(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            else:
+                assert fd is not None
+                target = fd
+                os.ftruncate(target, 0)
+            try:
+                with os.fdopen(target, "wb", closefd=False) as f:
+                    f.seek(0)
+                    n = self.container.download_blob(
+                        name, max_concurrency=concurrency or self.cfg.concurrency, progress_hook=hook
+                    ).readinto(f)
+                    f.flush()
+                os.fsync(target)
+            finally:
+                if own:
+                    os.close(target)
             return int(n)
 
-        return self.retry(f"downloading {name}", go)
+        return self.retry(f"downloading {name}", go, cancel=cancel, activity=activity)
 
-    def download_many(self, items: list[tuple[str, str]], progress: Callable[[int], None] | None = None) -> dict[str, int]:
-        """Download (rel, dest) pairs with archive.concurrency files in flight."""
+    def download_many(self, items: list[tuple[str, str]], progress: Callable[[int], None] | None = None,
+                      *, fds: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Download (rel, dest) pairs with archive.concurrency files in flight.
+
+        `fds`: dest -> open descriptor to download into (see download_file). The first failure
+        stops the rest (files not started are not started, running ones stop before their
+        next attempt), so a dead archive fails the operation once, not once per file.
+        """
         workers = max(1, min(self.cfg.concurrency, len(items)))
         per_file = max(1, self.cfg.concurrency // workers)
+        cancel = threading.Event()
+
+        def one(it: tuple[str, str]) -> int:
+            if cancel.is_set():
+                raise _Cancelled()
+            try:
+                if fds is not None:
+                    return self.download_file(it[0], it[1], progress, per_file, fd=fds[it[1]], cancel=cancel)
+                return self.download_file(it[0], it[1], progress, per_file, cancel=cancel)
+            except BaseException:
+                cancel.set()
+                raise
+
+        first: BaseException | None = None
+        sizes: dict[str, int] = {}
         with ThreadPoolExecutor(workers) as ex:
-            sizes = list(ex.map(lambda it: self.download_file(it[0], it[1], progress, per_file), items))
-        return {rel: n for (rel, _), n in zip(items, sizes, strict=True)}
+            futures = {ex.submit(one, it): it for it in items}
+            for fut in as_completed(futures):
+                e = fut.exception()
+                if e is None:
+                    sizes[futures[fut][0]] = fut.result()
+                elif not isinstance(e, _Cancelled) and first is None:
+                    first = e
+        if first is not None:
+            raise first
+        return sizes
 
     def ensure_container(self) -> None:
         from azure.core.exceptions import ResourceExistsError
@@ -277,6 +364,7 @@ class ArchivedMarker:
     size: int
     manifest: Manifest | None     # None when it does not count; `problem` says why
     problem: str = ""
+    data: bytes = b""             # the marker blob's bytes, as read
 
 
 def archived_markers(store: BlobStore, listing: Mapping[str, BlobInfo]) -> Iterator[ArchivedMarker]:
@@ -291,9 +379,9 @@ def archived_markers(store: BlobStore, listing: Mapping[str, BlobInfo]) -> Itera
         try:
             m = Manifest.from_json(data)
         except ValueError as e:
-            yield ArchivedMarker(rel, parts[0], parts[1], len(data), None, f"does not parse ({e})")
+            yield ArchivedMarker(rel, parts[0], parts[1], len(data), None, f"does not parse ({e})", data)
             continue
         if m.name != parts[1]:
-            yield ArchivedMarker(rel, parts[0], parts[1], len(data), None, f"names checkpoint {m.name}, not {parts[1]}")
+            yield ArchivedMarker(rel, parts[0], parts[1], len(data), None, f"names checkpoint {m.name}, not {parts[1]}", data)
             continue
-        yield ArchivedMarker(rel, parts[0], parts[1], len(data), m)
+        yield ArchivedMarker(rel, parts[0], parts[1], len(data), m, "", data)

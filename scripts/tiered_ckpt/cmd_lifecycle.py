@@ -15,17 +15,19 @@ from .config import NodeConfig, parse_duration
 from .errors import EXIT_FAILED, EXIT_OK, ConfigError
 from .exporter import Exporter, Iteration
 from .output import human_bytes, print_json, print_table, stderr, stdout
-from .restore import restore
+from .restore import DEFAULT_LOCK_WAIT, HASHES, NO_HASHES, restore
 from .status import gather
 
 
 def _policy(args: argparse.Namespace, cfg: NodeConfig) -> ret.Policy:
-    newer = None
+    newer = grace = None
     if args.keep_newer_than is not None:
         newer = parse_duration(args.keep_newer_than, "--keep-newer-than")
+    if args.restore_grace is not None:
+        grace = parse_duration(args.restore_grace, "--restore-grace")
     return ret.Policy.from_config(
         cfg.retention, keep_last=args.keep_last, keep_every_steps=args.keep_every_steps,
-        keep_newer_than=newer, min_keep=args.min_keep, action=args.action,
+        keep_newer_than=newer, min_keep=args.min_keep, action=args.action, restore_grace=grace,
     )
 
 
@@ -58,16 +60,20 @@ def cmd_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
 def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
     if args.name and args.latest:
         raise ConfigError("give either a checkpoint NAME or --latest, not both")
+    if args.wait is not None and args.wait < 0:
+        raise ConfigError(f"--wait: {args.wait} must be >= 0 seconds")
     backend = make_backend(cfg)
-    res = restore(cfg, backend, args.name, verify=args.verify, progress=not args.json)
+    res = restore(cfg, backend, args.name, verify=args.verify, progress=not args.json,
+                  lock_wait=DEFAULT_LOCK_WAIT if args.wait is None else args.wait)
     if args.json:
         print_json(res.to_json())
     else:
         how = {"resident": "already resident, nothing copied", "released": f"{res.prefetched_files} released files restored with lfs hsm_restore",
                "archive": "copied back from the archive"}[res.source]
+        checked = {HASHES: "sizes and hashes verified", NO_HASHES: NO_HASHES}.get(res.check, "sizes verified")
         stdout.print(
             f"restored {res.name} at {res.path}: {how}; {human_bytes(res.bytes)} in {res.seconds:.1f}s "
-            f"({res.gbps:.2f} GB/s); sizes verified{', hashes verified' if res.verified else ''}"
+            f"({res.gbps:.2f} GB/s); {checked}"
         )
         for w in res.warnings:
             stderr.print(f"[yellow]warning:[/] {w}")
@@ -141,13 +147,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
         q.add_argument("--keep-newer-than", metavar="DURATION", help="keep checkpoints younger than this, e.g. 6h, 2d")
         q.add_argument("--min-keep", type=int, metavar="M", help="never touch the newest M committed (default 2)")
         q.add_argument("--action", choices=("delete", "release"), help="delete (default) or release (AMLFS: lfs hsm_release)")
+        q.add_argument("--restore-grace", metavar="DURATION",
+                       help="keep a checkpoint restored less than this ago (retention.restore_grace, default 1h; 0 = off)")
         q.set_defaults(handler=cmd_retention)
 
     p = sub.add_parser("restore", parents=[parent], help="make a committed checkpoint readable on the accelerator layer",
                        description="Restore NAME or the newest committed checkpoint on either tier, by the cheapest path.")
     p.add_argument("name", nargs="?", metavar="NAME", help="checkpoint directory name, e.g. global_epoch3_step12000")
     p.add_argument("--latest", action="store_true", help="the newest committed checkpoint on either tier (default)")
-    p.add_argument("--verify", action="store_true", help="also verify every file's xxh3-128 against the manifest")
+    p.add_argument("--verify", action="store_true",
+                   help="also hash a resident checkpoint's files (bytes from the archive are always hash-checked)")
+    p.add_argument("--wait", type=float, metavar="S",
+                   help=f"seconds to wait for another process working on the checkpoint (default {DEFAULT_LOCK_WAIT:g})")
     p.set_defaults(handler=cmd_restore)
 
     p = sub.add_parser("status", parents=[parent], help="tiers of each checkpoint, export backlog, export job, capacity")

@@ -70,6 +70,9 @@ class ArchiveConfig:
     managed_identity_client_id: str | None = None
     concurrency: int = 8
     retries: int = 5
+    # Seconds one request may wait for the archive (connect, or each read): with `retries` it
+    # bounds how long an operation against a frozen server takes, about (retries + 1) x timeout.
+    timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class RetentionConfig:
     keep_newer_than: float | None = None  # seconds; None = rule off
     min_keep: int = 2
     action: str = "delete"            # delete | release (release needs AMLFS)
+    restore_grace: float = 3600.0     # seconds a restored checkpoint is kept whatever the rules
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ def _build(cls: type[T], data: Any, where: str) -> T:
             kwargs[key] = _build(type(default), value, full)
         elif key in _SIZE_KEYS:
             kwargs[key] = parse_size(value, full)
+        elif key in ("timeout", "restore_grace"):
+            kwargs[key] = parse_duration(value, full)
         elif key == "keep_newer_than":
             kwargs[key] = None if value in (None, "", 0) else parse_duration(value, full)
         else:
@@ -168,11 +174,17 @@ def validate(cfg: NodeConfig) -> None:
         raise ConfigError(f"io.block_size: {cfg.io.block_size} must be a multiple of 4 KiB (O_DIRECT alignment), e.g. 16MiB")
     _check_int(cfg.archive.concurrency, "archive.concurrency", 1)
     _check_int(cfg.archive.retries, "archive.retries", 0)
+    t = cfg.archive.timeout
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= 3600:
+        raise ConfigError(f"archive.timeout: {t!r}{where} must be seconds between 0 and 3600 (e.g. 30 or 30s)")
     _check_int(cfg.amlfs.hsm_batch, "amlfs.hsm_batch", 1)
     r = cfg.retention
     _check_int(r.keep_last, "retention.keep_last", 1)
     _check_int(r.keep_every_steps, "retention.keep_every_steps", 0)
     _check_int(r.min_keep, "retention.min_keep", 1)
+    g = r.restore_grace
+    if not isinstance(g, (int, float)) or isinstance(g, bool) or g < 0:
+        raise ConfigError(f"retention.restore_grace: {g!r}{where} must be a duration >= 0 (e.g. 1h; 0 = off)")
     if r.action not in ("delete", "release"):
         raise ConfigError(f"retention.action: {r.action!r}{where}; use delete or release")
     if r.action == "release" and cfg.backend != "amlfs":

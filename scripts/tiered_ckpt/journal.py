@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from . import fsafe
@@ -50,3 +51,44 @@ def add(root: str | os.PathLike[str], model: str, name: str) -> Path:
     fsafe.write_file(p, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()).encode(), anchor=root)
     fsync_dir(d)
     return p
+
+
+# Restore records: `<root>/<model>/.restored/<name>` holds the UTC time of the last restore of
+# that checkpoint. Retention keeps a checkpoint restored within retention.restore_grace whatever
+# its rules say: a user who restores an old checkpoint gets to use it before the next run.
+RESTORED_DIR = ".restored"
+
+
+def restored_dir(root: str | os.PathLike[str], model: str) -> Path:
+    return Path(root) / model / RESTORED_DIR
+
+
+def note_restored(root: str | os.PathLike[str], model: str, name: str) -> None:
+    d = restored_dir(root, model)
+    if not fsafe.is_real_dir(d):
+        try:
+            os.mkdir(d, 0o755)
+        except FileExistsError:
+            pass           # a non-directory planted there: the write below refuses it
+    fsafe.write_file(d / name, datetime.now(timezone.utc).isoformat().encode(), anchor=root)
+    fsync_dir(d)
+
+
+def restored(root: str | os.PathLike[str], model: str) -> dict[str, datetime]:
+    """Checkpoint name -> when it was last restored (unreadable records are ignored)."""
+    d = restored_dir(root, model)
+    out: dict[str, datetime] = {}
+    if not fsafe.is_real_dir(d):
+        return out
+    for e in os.scandir(d):
+        try:
+            t = datetime.fromisoformat(fsafe.read_file(Path(e.path), anchor=root, limit=200).decode())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        out[e.name] = t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+    return out
+
+
+def forget_restored(root: str | os.PathLike[str], model: str, name: str) -> None:
+    if fsafe.unlink(restored_dir(root, model) / name, anchor=root):
+        fsync_dir(restored_dir(root, model))

@@ -583,16 +583,32 @@ def find(root: str | os.PathLike[str], model: str, name: str) -> CheckpointInfo 
     return None
 
 
-def remove_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Delete a checkpoint directory, marker first. Idempotent; safe to re-run after a kill."""
+def remove_checkpoint(path: str | os.PathLike[str], *, anchor: str | os.PathLike[str] | None = None) -> None:
+    """Delete a checkpoint directory, marker first. Idempotent; safe to re-run after a kill.
+
+    Never through a symlink: a checkpoint directory that is one is refused (fsafe.UnsafePath),
+    and with `anchor` (the checkpoint root) no component between it and the directory may be
+    one either. shutil.rmtree does not follow symlinks inside the tree and, on Linux, works
+    relative to directory descriptors (shutil.rmtree.avoids_symlink_attacks).
+    """
+    import errno
+
+    from . import fsafe
+
     p = Path(path)
-    try:
-        (p / MARKER).unlink()
-    except FileNotFoundError:
-        pass
+    if os.path.lexists(p) and not fsafe.is_real_dir(p):
+        raise fsafe.UnsafePath(errno.ELOOP, "not a real directory (a symbolic link or a file), refused", str(p))
+    if anchor is not None:
+        removed = fsafe.unlink(p / MARKER, anchor=anchor)
     else:
+        try:
+            (p / MARKER).unlink()
+            removed = True
+        except FileNotFoundError:
+            removed = False
+    if removed:
         fsync_dir(p)
-    if p.exists():
+    if fsafe.is_real_dir(p):
         shutil.rmtree(p)
 
 

@@ -8,31 +8,41 @@ checkpoints: RWKV-infctx-trainer #13). A checkpoint the rules let go is deleted 
 only when every file is proven archived; otherwise it is blocked, naming the first file.
 
 Apply. Under an flock on <root>/<model>/.retention.lock it re-scans and re-proves (the plan a
-user looked at may be stale), then per checkpoint: write a journal entry, remove the marker
-(so it no longer looks committed anywhere on this tier), remove the data, drop the journal
-entry. A run killed at any point leaves either a committed checkpoint (untouched) or a
-journal entry that the next run finishes; never a directory that looks committed but is not.
+user looked at may be stale), then per checkpoint takes that checkpoint's own lock without
+waiting (lock.checkpoint_lock: a save or restore holding it makes it "busy" this run) and,
+holding it, re-checks the evidence: the same marker bytes as the plan saw and a fresh archive
+proof (delete, release), or the journal entry still there and still no marker (resume-delete).
+Only then: write a journal entry, record a tombstone (the name now lives only in the archive),
+remove the marker (so it no longer looks committed anywhere on this tier), remove the data,
+drop the journal entry. A run killed at any point leaves either a committed checkpoint
+(untouched) or a journal entry that the next run finishes unless the name was saved or
+restored since; never a directory that looks committed but is not. A checkpoint restored less
+than `restore_grace` ago is kept, so that a restore is followed by its use.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from . import fsafe, tombstone
 from . import manifest as mf
 from .backends import TierBackend
+from .blobstore import BlobInfo
 from .config import NodeConfig, RetentionConfig
-from .errors import ConfigError
+from .errors import ConfigError, ConflictError
 from .journal import add as _journal_add
-from .journal import forget, journaled
-from .lock import exclusive, lock_path
+from .journal import forget, forget_restored, journaled, restored
+from .lock import checkpoint_lock, exclusive, lock_path
 from .naming import CheckpointId, parse_name
 from .proof import CheckpointProof, prove
 
 KEEP, DELETE, RELEASE, BLOCKED, SKIP, RESUME = "keep", "delete", "release", "blocked", "skip", "resume-delete"
+BUSY = "busy"       # apply only: another process held the checkpoint's lock; decided again next run
 
 
 @dataclass(frozen=True)
@@ -42,10 +52,12 @@ class Policy:
     keep_newer_than: float | None = None   # seconds
     min_keep: int = 2
     action: str = "delete"
+    restore_grace: float = 3600.0          # seconds a restored checkpoint is kept
 
     @classmethod
     def from_config(cls, r: RetentionConfig, **overrides: Any) -> Policy:
-        p = cls(r.keep_last, r.keep_every_steps, r.keep_newer_than, r.min_keep, r.action)
+        p = cls(r.keep_last, r.keep_every_steps, r.keep_newer_than, r.min_keep, r.action,
+                getattr(r, "restore_grace", 3600.0))
         p = replace(p, **{k: v for k, v in overrides.items() if v is not None})
         p.validate()
         return p
@@ -61,6 +73,8 @@ class Policy:
             raise ConfigError("--keep-newer-than / retention.keep_newer_than must not be negative")
         if self.action not in (DELETE, RELEASE):
             raise ConfigError(f"--action / retention.action: {self.action!r}; use delete or release")
+        if self.restore_grace < 0:
+            raise ConfigError("--restore-grace / retention.restore_grace must not be negative (0 = off)")
 
 
 @dataclass(frozen=True)
@@ -76,12 +90,13 @@ class Candidate:
     released: bool = False
     bytes: int = 0
     journaled: bool = False       # a killed apply was deleting it
+    restored_utc: datetime | None = None   # when `restore` last brought it back (or checked it)
 
 
 @dataclass(frozen=True)
 class Decision:
     name: str
-    action: str                   # keep | delete | release | blocked | skip | resume-delete
+    action: str                   # keep | delete | release | blocked | skip | resume-delete | busy
     reasons: tuple[str, ...]
     bytes: int = 0
 
@@ -117,6 +132,10 @@ def decide(candidates: Sequence[Candidate], policy: Policy, now: datetime) -> li
             age = (now - c.created_utc).total_seconds()
             if age < policy.keep_newer_than:
                 keeps.append(f"keep-newer-than {_dur(policy.keep_newer_than)} (age {_dur(age)})")
+        if policy.restore_grace and c.restored_utc is not None:
+            since = (now - c.restored_utc).total_seconds()
+            if since < policy.restore_grace:
+                keeps.append(f"restored {_dur(since)} ago (restore-grace {_dur(policy.restore_grace)})")
         if guards or keeps:
             out.append(Decision(c.name, KEEP, tuple(guards + keeps), c.bytes))
         elif not c.archived:
@@ -146,6 +165,9 @@ class Plan:
     policy: Policy
     decisions: list[Decision]
     now_utc: str
+    # Marker bytes of each committed checkpoint as the plan saw them: apply acts on a
+    # checkpoint only if its marker is still exactly this (not part of the JSON).
+    evidence: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -191,7 +213,8 @@ def _dir_bytes(p: Path) -> int:
     return total
 
 
-def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, CheckpointProof], pending: set[str]) -> list[Candidate]:
+def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, CheckpointProof], pending: set[str],
+                    restored: Mapping[str, datetime] | None = None) -> list[Candidate]:
     out = []
     for c in infos:
         p = proofs.get(c.name)
@@ -201,49 +224,184 @@ def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, Checkp
             released=bool(p and p.released),
             bytes=c.manifest.total_bytes if c.manifest else _dir_bytes(c.path),
             journaled=c.name in pending and not c.committed,
+            restored_utc=(restored or {}).get(c.name),
         ))
     return out
 
 
+def _marker_bytes(root: str | os.PathLike[str], ckpt_dir: Path) -> bytes | None:
+    """The marker's bytes as they are now (no symlink followed); None if absent or unreadable."""
+    try:
+        return fsafe.read_file(ckpt_dir / mf.MARKER, anchor=root, limit=64 << 20)
+    except OSError:
+        return None
+
+
+def _evidence(root: str | os.PathLike[str], infos: Sequence[mf.CheckpointInfo]) -> dict[str, bytes]:
+    """The marker bytes behind each committed checkpoint of a scan: what apply re-checks."""
+    out: dict[str, bytes] = {}
+    for c in infos:
+        if c.manifest is None:
+            continue
+        data = _marker_bytes(root, c.path)
+        try:
+            same = data is not None and mf.Manifest.from_json(data) == c.manifest
+        except ValueError:
+            same = False
+        if same and data is not None:       # changed between the scan and this read: no evidence
+            out[c.name] = data
+    return out
+
+
 def candidates(cfg: NodeConfig, backend: TierBackend) -> list[Candidate]:
+    return _gather(cfg, backend)[0]
+
+
+def _gather(cfg: NodeConfig, backend: TierBackend) -> tuple[list[Candidate], dict[str, bytes]]:
     infos = mf.scan(cfg.root, cfg.model)
-    return candidates_from(infos, prove(backend, infos), journaled(cfg.root, cfg.model))
+    evidence = _evidence(cfg.root, infos)
+    cands = candidates_from(infos, prove(backend, infos), journaled(cfg.root, cfg.model),
+                            restored(cfg.root, cfg.model))
+    return cands, evidence
 
 
 def plan(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | None = None) -> Plan:
     now = now or datetime.now(timezone.utc)
     mf.require_root(cfg.root)
-    return Plan(cfg.model, policy, decide(candidates(cfg, backend), policy, now), now.isoformat())
+    cands, evidence = _gather(cfg, backend)
+    pl = Plan(cfg.model, policy, decide(cands, policy, now), now.isoformat())
+    pl.evidence = evidence
+    return pl
+
+
+def _reproved(cfg: NodeConfig, backend: TierBackend, infos: list[mf.CheckpointInfo]) -> dict[str, CheckpointProof]:
+    """Fresh proofs for a few checkpoints: one listing of each one's own prefix, not of the model."""
+    listing: dict[str, BlobInfo] | None = None
+    if backend.archive_configured:
+        listing = {}
+        for c in infos:
+            listing.update(backend.store.listing(f"{cfg.model}/{c.name}"))
+    return prove(backend, infos, listing)
+
+
+def _recheck(cfg: NodeConfig, backend: TierBackend, pl: Plan, d: Decision) -> tuple[mf.CheckpointInfo | None, Decision | None]:
+    """Under the checkpoint's lock: is the plan's evidence for deleting/releasing `d` still true?
+
+    (info, None) to go ahead, or (None, the decision to report instead).
+    """
+    path = mf.model_dir(cfg.root, cfg.model) / d.name
+    cid = parse_name(d.name)
+    want = pl.evidence.get(d.name)
+    if cid is None or want is None or not fsafe.is_real_dir(path) or _marker_bytes(cfg.root, path) != want:
+        return None, Decision(d.name, SKIP, ("changed since the plan (re-saved, restored or removed): not touched; "
+                                             "decided again next run",), d.bytes)
+    info = mf.inspect(cfg.model, path, cid)
+    if info.manifest is None:
+        return None, Decision(d.name, SKIP, ("no longer committed: not touched",), d.bytes)
+    proof = _reproved(cfg, backend, [info]).get(d.name)
+    if proof is None or not proof.archived:
+        why = proof.blocked_reason() if proof else "it is not proven archived"
+        return None, Decision(d.name, BLOCKED, (f"no longer proven archived when it was to be {d.action}d: {why}",), d.bytes)
+    return info, None
+
+
+def _busy(d: Decision) -> Decision:
+    return Decision(d.name, BUSY, (f"another process (a save or a restore) holds checkpoint {d.name}: not touched "
+                                   "this run; decided again next run",), d.bytes)
 
 
 def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | None = None) -> ApplyResult:
-    """Plan and act under the lock. Safe to re-run after a kill at any point."""
+    """Plan and act under the lock. Safe to re-run after a kill at any point.
+
+    Every delete and release takes that checkpoint's own lock (without waiting: a save or a
+    restore holding it makes the checkpoint "busy" this run) and re-checks, holding it, the
+    evidence the plan used: the same marker bytes and a fresh archive proof (delete/release),
+    or the journal entry still there and still no marker (resume-delete).
+    """
     mf.require_root(cfg.root)       # before the lock: exclusive() would create <root>/<model>
     with exclusive(lock_path(cfg.root, cfg.model), "retention apply"):
         pl = plan(cfg, backend, policy, now)
         res = ApplyResult(pl)
-        model_dir = mf.model_dir(cfg.root, cfg.model)
+        root = cfg.root
+        model_dir = mf.model_dir(root, cfg.model)
         # Leftover journal entries whose directory is gone, or committed again (a restore
         # brought it back): drop them, so they can never mark a later restore for deletion.
-        for name in journaled(cfg.root, cfg.model):
+        for name in journaled(root, cfg.model):
             where = model_dir / name
             if parse_name(name) is None or not where.exists() or mf.read_marker(where) is not None:
-                forget(cfg.root, cfg.model, name)
-        to_release: list[str] = []
+                forget(root, cfg.model, name)
+        # Restore records past their grace period, or of checkpoints gone: no longer needed.
+        cutoff = datetime.now(timezone.utc).timestamp() - policy.restore_grace
+        for name, when in restored(root, cfg.model).items():
+            if when.timestamp() < cutoff or not (model_dir / name).exists():
+                forget_restored(root, cfg.model, name)
+        outcome: dict[str, Decision] = {}
+        releases: list[Decision] = []
         for d in pl.decisions:
-            path = model_dir / d.name
             if d.action in (DELETE, RESUME):
-                entry = _journal_add(cfg.root, cfg.model, d.name)
-                mf.remove_checkpoint(path)          # marker first, then data
-                entry.unlink(missing_ok=True)
-                res.done.append(f"delete {d.name}")
-                res.freed_bytes += d.bytes
+                outcome[d.name] = _delete_one(cfg, backend, pl, d, res)
             elif d.action == RELEASE:
-                m = mf.read_marker(path)
-                if m is not None:
-                    to_release.extend(str(path / f.path) for f in m.files)
-                    res.done.append(f"release {d.name}")
-                    res.freed_bytes += d.bytes
+                releases.append(d)
+        if releases:
+            outcome.update(_release_all(cfg, backend, pl, releases, res))
+        pl.decisions = [outcome.get(d.name, d) for d in pl.decisions]
+        return res
+
+
+def _delete_one(cfg: NodeConfig, backend: TierBackend, pl: Plan, d: Decision, res: ApplyResult) -> Decision:
+    root = cfg.root
+    path = mf.model_dir(root, cfg.model) / d.name
+    try:
+        with checkpoint_lock(root, cfg.model, d.name, "retention", wait=0):
+            if d.action == RESUME:
+                # Finish an interrupted delete only if nothing took the name since: the entry is
+                # still there (a new save or a restore drops it, holding this lock) and there is
+                # still no marker of any kind.
+                if d.name not in journaled(root, cfg.model):
+                    return Decision(d.name, SKIP, ("its journal entry is gone (saved or restored since the plan): "
+                                                   "not touched",), d.bytes)
+                if os.path.lexists(path / mf.MARKER) or not fsafe.is_real_dir(path):
+                    return Decision(d.name, SKIP, ("it has a marker again (or is no longer a directory): not touched",),
+                                    d.bytes)
+                entry = _journal_add(root, cfg.model, d.name)
+                mf.remove_checkpoint(path, anchor=root)
+            else:
+                info, instead = _recheck(cfg, backend, pl, d)
+                if instead is not None:
+                    return instead
+                assert info is not None and info.manifest is not None
+                entry = _journal_add(root, cfg.model, d.name)
+                # Before the marker goes: the name now lives only in the archive.
+                tombstone.record(root, cfg.model, d.name, info.manifest)
+                mf.remove_checkpoint(path, anchor=root)          # marker first, then data
+            fsafe.unlink(entry, anchor=root)
+            forget_restored(root, cfg.model, d.name)
+    except ConflictError:
+        return _busy(d)
+    res.done.append(f"delete {d.name}")
+    res.freed_bytes += d.bytes
+    return d
+
+
+def _release_all(cfg: NodeConfig, backend: TierBackend, pl: Plan, releases: list[Decision],
+                 res: ApplyResult) -> dict[str, Decision]:
+    """Release under every checkpoint's lock at once, so that one lfs call covers many checkpoints."""
+    out: dict[str, Decision] = {}
+    with ExitStack() as stack:
+        ready: list[tuple[Decision, mf.CheckpointInfo]] = []
+        for d in releases:
+            try:
+                stack.enter_context(checkpoint_lock(cfg.root, cfg.model, d.name, "retention", wait=0))
+            except ConflictError:
+                out[d.name] = _busy(d)
+                continue
+            info, instead = _recheck(cfg, backend, pl, d)
+            if instead is not None:
+                out[d.name] = instead
+                continue
+            assert info is not None
+            ready.append((d, info))
+        to_release = [str(info.path / f.path) for _, info in ready for f in info.manifest.files]  # type: ignore[union-attr]
         if to_release:
             # Only what is not released yet: a re-run after a kill must not trip over done work.
             hsm = backend.hsm_states(to_release)
@@ -251,4 +409,7 @@ def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime |
                 to_release = [p for p in to_release if p not in hsm[0] or not hsm[0][p].released]
             if to_release:
                 backend.release(to_release)
-        return res
+        for d, _ in ready:
+            res.done.append(f"release {d.name}")
+            res.freed_bytes += d.bytes
+    return out
