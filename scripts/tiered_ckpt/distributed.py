@@ -18,6 +18,7 @@ therefore runs the same sequence of collectives whatever fails where, so none is
 """
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ class Comm:
             if exc is not None:
                 _reraise(exc, self.rank, self.world_size, stage, about)
             waited = f" within {self.timeout:g} s" if self.timeout else ""
-            why = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = re.sub(r"^\[[^\]]*\]\s*", "", why)[:300]     # gloo prefixes its source location
             lost = UserError(f"rank {self.rank}: not every rank took part in {stage} {about}{waited} (a rank died, "
                              f"hung or failed outside the save): {why}; nothing was committed", exit_code=3)
             cleanup(lost)
