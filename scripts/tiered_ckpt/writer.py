@@ -600,7 +600,11 @@ class Save:
         mfd = self._open_model_dir(create=True)
         try:
             claim = ExitStack()
-            claim.enter_context(lock.checkpoint_lock(self.root, self.model, self.cid.name, "save", wait=0))
+            try:
+                claim.enter_context(lock.checkpoint_lock(self.root, self.model, self.cid.name, "save", wait=0))
+            except ConflictError as e:
+                raise ConflictError(f"cannot save {self.cid.name} now: {e}; this save wrote nothing — if it is another "
+                                    "save of the same step, save under another epoch/step") from None
             self._claim = claim
             self._refuse_if_committed(mfd)
             journal.forget(self.root, self.model, self.cid.name)
@@ -798,7 +802,7 @@ class Save:
                 if self.comm.world_size == 1:
                     self._remove_dir_if_empty()
         finally:
-            self._release()
+            self._close()      # the save is over: release the claim, close the directory
 
     def _release(self) -> None:
         claim, self._claim = self._claim, None

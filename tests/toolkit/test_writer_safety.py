@@ -28,7 +28,7 @@ import tiered_ckpt as tc
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import UserError
 root, step, fill, pause = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-cfg = NodeConfig(root=root, model="m", io=%s)
+cfg = NodeConfig(root=root, model="m", io=IO_CONFIG)
 
 class Paused:                    # holds the save mid-write until the test says go (on stdin)
     nbytes = 1 << 20
@@ -46,7 +46,7 @@ try:
 except UserError as e:
     print(json.dumps({"ok": False, "cls": type(e).__name__, "error": str(e)}), flush=True)
     sys.exit(e.exit_code)
-""" % IO
+""".replace("IO_CONFIG", IO)
 
 
 def _saver(root: Path, step: int, fill: int, pause: bool) -> subprocess.Popen[str]:
