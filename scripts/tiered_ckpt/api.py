@@ -103,8 +103,8 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
             writer.note_failure(Path(made["cfg"].root), made["cfg"].model, made["cid"], comm.rank, comm.world_size,
                                 save_id, exc)
 
-    ids = comm.phase("preparing", name or (f"global_epoch{epoch}_step{step}" if epoch is not None else "a checkpoint"),
-                     build, failed)
+    about = name[:80] if isinstance(name, str) else "the checkpoint"   # for messages only: no user value parsed here
+    ids = comm.phase("preparing", about, build, failed)
     s = made["save"]
     s.started(ids)
     return s
