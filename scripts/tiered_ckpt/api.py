@@ -23,7 +23,7 @@ from . import reader, staging, writer
 from .buffers import to_sources
 from .distributed import detect
 from .errors import IntegrityError, UserError
-from .naming import CheckpointId, require_name
+from .naming import CheckpointId, require_name, require_number
 from .writer import SaveResult, WriteOptions
 
 
@@ -50,12 +50,12 @@ def _cfg(config: config_mod.NodeConfig | None, root: str | Path | None, model: s
 
 def _cid(name: str | None, epoch: int | None, step: int | None) -> CheckpointId:
     if name is not None:
+        if epoch is not None or step is not None:
+            raise UserError("pass either name= or epoch= and step=, not both")
         return require_name(name)
     if epoch is None or step is None:
         raise UserError("name the checkpoint: pass epoch= and step= (or name='global_epoch<E>_step<S>')")
-    if epoch < 0 or step < 0:
-        raise UserError(f"epoch={epoch}, step={step}: both must be >= 0")
-    return CheckpointId(int(epoch), int(step))
+    return CheckpointId(require_number(epoch, "epoch"), require_number(step, "step"))
 
 
 def _options(cfg: config_mod.NodeConfig, files: int | None, threads: int | None, block_size: int | None,
@@ -76,22 +76,37 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
            block_size: int | None, direct: bool | None, hash: bool, overwrite_incomplete: bool,
            save_id: str | None, barrier_timeout: float, pool_kind: str, pool_bytes: int | None,
            progress: Callable[[int], None] | None) -> writer.Save:
-    comm = detect(rank, world_size, group)
-    try:
-        cfg = _cfg(config, root, model)
-        cid = _cid(name, epoch, step)
+    comm = detect(rank, world_size, group, timeout=barrier_timeout)
+    made: dict[str, Any] = {}
+
+    def build() -> str | None:
+        # Everything that can fail on one rank runs inside the agreement: the other ranks learn of
+        # it (and fail too) instead of waiting for this one.
+        cfg = made["cfg"] = _cfg(config, root, model)
+        cid = made["cid"] = _cid(name, epoch, step)
         opts = _options(cfg, files, threads, block_size, direct, hash, barrier_timeout)
         sources = to_sources(state)
         size = pool_bytes if pool_bytes is not None else (cfg.io.staging_bytes if pool_kind == "staging" else cfg.io.sync_buffer_bytes)
         pool = staging.pool(pool_kind, size, opts.block_size)
-        s = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
-                        overwrite_incomplete=overwrite_incomplete, save_id=save_id, progress=progress)
-    except UserError as e:
-        # Under torch.distributed the other ranks are about to compare notes (Save.prepare): join
-        # in with this error so they fail too instead of waiting for this rank.
-        comm.exchange(str(e))
-        raise
-    s.prepare()
+        s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
+                                       overwrite_incomplete=overwrite_incomplete, save_id=save_id, progress=progress,
+                                       archive=cfg.archive)
+        return s.prepare_local()
+
+    def failed(exc: BaseException) -> None:
+        s = made.get("save")
+        if s is not None:
+            s.on_failure(exc)
+        elif comm.world_size > 1 and not comm.uses_torch and "cid" in made and isinstance(save_id, str) \
+                and writer.SAVE_ID.fullmatch(save_id):
+            # file mode, failed before the save was set up: still leave the note the others wait for
+            writer.note_failure(Path(made["cfg"].root), made["cfg"].model, made["cid"], comm.rank, comm.world_size,
+                                save_id, exc)
+
+    about = name[:80] if isinstance(name, str) else "the checkpoint"   # for messages only: no user value parsed here
+    ids = comm.phase("preparing", about, build, failed)
+    s = made["save"]
+    s.started(ids)
     return s
 
 
@@ -110,7 +125,15 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
                world_size=world_size, group=group, files=files, threads=threads, block_size=block_size,
                direct=direct, hash=hash, overwrite_incomplete=overwrite_incomplete, save_id=save_id,
                barrier_timeout=barrier_timeout, pool_kind="sync", pool_bytes=buffer_bytes, progress=progress)
-    s.produce()
+    try:
+        s.produce()
+    except BaseException as e:   # e.g. KeyboardInterrupt: the other ranks still learn of it
+        s.fail(e)
+        try:
+            s.finish()
+        except BaseException:  # noqa: BLE001 - the original interruption is what the caller sees
+            pass
+        raise
     return s.finish()
 
 

@@ -205,6 +205,11 @@ class BlobStore:
 
         return self.retry(f"listing {start}", go, activity=activity)
 
+    def exists(self, rel: str) -> bool:
+        """Whether the blob of `rel` exists: one request per attempt (archive.retries + 1 attempts)."""
+        name = self.name(rel)
+        return bool(self.retry(f"checking {name}", lambda: self.container.get_blob_client(name).exists()))
+
     def get_bytes(self, rel: str) -> bytes | None:
         def go() -> bytes | None:
             try:

@@ -73,7 +73,7 @@ class Manifest:
     # Writer-owned description of where each saved buffer lives (name -> file, offset, ...).
     index: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
-    save_id: str | None = None
+    save_id: str | None = None   # which save wrote it (every file name of that save carries it)
 
     @property
     def id(self) -> CheckpointId:

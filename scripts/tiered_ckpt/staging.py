@@ -9,9 +9,12 @@ reused by every later save. Blocks are page aligned, as O_DIRECT requires.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import threading
 from collections import deque
+
+from .errors import ConfigError
 
 ALIGN = 4096
 
@@ -29,7 +32,7 @@ class BlockPool:
         self.block_size = block_size
         self.nblocks = max(2, total_bytes // block_size)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._mem = mmap.mmap(-1, self.nblocks * block_size, flags=flags)
+        self._mem = mmap.mmap(-1, self.nblocks * block_size, flags=flags)   # OSError(ENOMEM): see pool()
         self._view = memoryview(self._mem)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
         self._free: deque[int] = deque(range(self.nblocks))
@@ -70,5 +73,33 @@ def pool(kind: str, total_bytes: int, block_size: int) -> BlockPool:
     with _pools_lock:
         p = _pools.get(key)
         if p is None:
-            p = _pools[key] = BlockPool(total_bytes, block_size)
+            try:
+                p = BlockPool(total_bytes, block_size)
+            except (MemoryError, OverflowError, ValueError) as e:
+                raise _no_memory(kind, total_bytes, block_size, str(e) or type(e).__name__) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOMEM, errno.EOVERFLOW, errno.EINVAL, errno.EAGAIN):
+                    raise
+                raise _no_memory(kind, total_bytes, block_size, e.strerror or str(e)) from None
+            _pools[key] = p
         return p
+
+
+_SETTING = {
+    "read": "io.threads x io.block_size (one block per reader thread)",
+    "sync": "io.sync_buffer_bytes (or save(buffer_bytes=...))",
+    "staging": "io.staging_bytes (or async_save(staging_bytes=...))",
+}
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.3g} MiB"
+
+
+def _no_memory(kind: str, total: int, block: int, why: str) -> ConfigError:
+    return ConfigError(
+        f"cannot allocate the {kind} buffer pool: {_gib(max(total, 2 * block))} of host memory ({why}); its size is "
+        f"{_SETTING.get(kind, 'io.block_size')}, with io.block_size={_gib(block)}. Lower io.block_size "
+        "(16MiB suits Lustre), io.threads or io.staging_bytes / io.sync_buffer_bytes in the node config "
+        "(or the --block / --threads flags), or free memory on this node"
+    )

@@ -1,65 +1,105 @@
-"""Tombstones: `<root>/<model>/.archived/<name>` records that retention deleted checkpoint
-`name` from the accelerator layer while the archive still holds it.
+"""Names whose checkpoint was archived and then deleted locally: `<root>/<model>/.archived/<name>`.
 
-A name that is gone locally may still be committed in the archive; a new save of that name
-must not look like a fresh start (it would be a second generation beside the archived one).
-Retention writes the tombstone before it removes the marker; restore clears it once the
-checkpoint is back. The record holds the marker's save id (when it has one) and a hash of the
-marker, so whoever reads it can tell which generation the archive holds.
+Retention deletes a checkpoint from the accelerator layer only once every file is proven
+archived; the name stays committed in the archive. A later save of that name must be refused
+(its marker in Blob is the committed copy; the same name with other content on the other tier
+would be two checkpoints with one name). The writer checks the archive itself where one is
+configured, but the archive may be unreachable (then a save must not block training); this
+local record answers without the network. Retention records it (`record`) before it deletes;
+the writer refuses a name that is `present`; `clear` is for an operator (or a tool) that has
+deleted the archived copy too and wants the name back.
+
+The file holds the deleted marker's save id and the xxh3-128 of its canonical JSON
+(`Manifest.to_json`), so the archived copy it stands for can be told from a later one. It
+lives under a dot-name, which the exporter never archives, and is written through fsafe: a
+planted symlink is refused, never followed.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import fsafe
+from .errors import UserError
 from .hashing import new_hasher
-
-if TYPE_CHECKING:
-    from .manifest import Manifest
+from .manifest import Manifest
 
 TOMBSTONES = ".archived"
 
 
-def _dir(root: str | os.PathLike[str], model: str) -> Path:
+def tombstone_dir(root: str | os.PathLike[str], model: str) -> Path:
     return Path(root) / model / TOMBSTONES
 
 
-def path(root: str | os.PathLike[str], model: str, name: str) -> Path:
-    return _dir(root, model) / name
+def tombstone_path(root: str | os.PathLike[str], model: str, name: str) -> Path:
+    return tombstone_dir(root, model) / name
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+def _dir_fd(root: str | os.PathLike[str], model: str, create: bool) -> int | None:
+    """A descriptor of the tombstone directory (None if it does not exist and create is False)."""
+    d = tombstone_dir(root, model)
     try:
+        return fsafe.open_dir(d, anchor=root)
+    except FileNotFoundError:
+        if not create:
+            return None
+    except fsafe.UnsafePath as e:
+        raise UserError(f"{d}: {e.strerror}; remove it (someone planted it there) and re-run", exit_code=4) from None
+    mfd = fsafe.open_dir(d.parent, anchor=root)
+    try:
+        try:
+            os.mkdir(TOMBSTONES, 0o755, dir_fd=mfd)
+        except FileExistsError:
+            pass
+        fd = fsafe.open_dir(d, anchor=root)
+        os.fchmod(fd, 0o755)      # explicit: a umask of 000 must not make it world-writable
+        os.fsync(mfd)
+        return fd
+    finally:
+        os.close(mfd)
+
+
+def record(root: str | os.PathLike[str], model: str, name: str, manifest: Manifest) -> Path:
+    """Remember that `name` (this manifest) is archived and about to be deleted locally; fsynced."""
+    h = new_hasher()
+    h.update(manifest.to_json())
+    info = {"name": name, "save_id": manifest.save_id, "marker_xxh3_128": h.hexdigest(),
+            "created_utc": manifest.created_utc,
+            "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    fd = _dir_fd(root, model, create=True)
+    assert fd is not None
+    try:
+        p = tombstone_path(root, model, name)
+        fsafe.write_file(p, json.dumps(info, sort_keys=True).encode(), anchor=root)
         os.fsync(fd)
+        return p
     finally:
         os.close(fd)
 
 
-def record(root: str | os.PathLike[str], model: str, name: str, manifest: Manifest) -> None:
-    """Note that `name` (this marker) now lives only in the archive; fsynced."""
-    d = _dir(root, model)
-    if not fsafe.is_real_dir(d):
-        try:
-            os.mkdir(d, 0o755)
-        except FileExistsError:
-            pass
-        # A symlink or file planted at .archived is refused by the write below (anchor=root).
-    h = new_hasher()
-    h.update(manifest.to_json())
-    data = {"name": name, "save_id": getattr(manifest, "save_id", None), "marker_xxh3_128": h.hexdigest()}
-    fsafe.write_file(path(root, model, name), json.dumps(data, sort_keys=True).encode(), anchor=root)
-    _fsync_dir(d)
-
-
 def present(root: str | os.PathLike[str], model: str, name: str) -> bool:
-    return fsafe.is_regular(path(root, model, name))
+    """Whether `name` was archived and deleted locally (any entry of that name counts: refusing
+    is the safe answer for a file someone planted)."""
+    fd = _dir_fd(root, model, create=False)
+    if fd is None:
+        return False
+    try:
+        os.lstat(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def clear(root: str | os.PathLike[str], model: str, name: str) -> None:
-    """Drop the tombstone (the checkpoint is back on the accelerator layer)."""
-    if fsafe.unlink(path(root, model, name), anchor=root):
-        _fsync_dir(_dir(root, model))
+    """Forget the record of `name` (its archived copy is gone too)."""
+    if fsafe.unlink(tombstone_path(root, model, name), anchor=root):
+        fd = _dir_fd(root, model, create=False)
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -51,12 +51,16 @@ def test_stale_attempt_that_cannot_be_removed_is_a_user_error(cfg: NodeConfig, r
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Clearing a crashed attempt can fail (permissions, a vanished mount): one message, no traceback."""
     d = root / "m" / "global_epoch0_step3"
-    (d / "sub").mkdir(parents=True)
+    d.mkdir(parents=True)
+    (d / "shard-r00000-000.bin").write_bytes(b"left by a crashed attempt")
+    real_unlink = os.unlink
 
-    def refuse(path: object, *a: object, **k: object) -> None:
-        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    def refuse(path: str, *a: object, **k: object) -> None:
+        if str(path).startswith("shard-"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        real_unlink(path, *a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(writer.shutil, "rmtree", refuse)
+    monkeypatch.setattr(writer.os, "unlink", refuse)
     with pytest.raises(UserError, match=r"cannot write .*global_epoch0_step3.*not committed"):
         tc.save({"a": b"new"}, epoch=0, step=3, config=cfg)
     assert mf.read_marker(d) is None

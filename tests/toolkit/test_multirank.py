@@ -51,7 +51,7 @@ def test_three_ranks_commit_once_with_every_ranks_files(cfg: NodeConfig, root: P
     assert m is not None and m.world_size == 3
     by_rank = {r: sorted(f.path for f in m.files if f.rank == r) for r in range(3)}
     for r in range(3):
-        assert f"rank{r:05d}.part.json" in by_rank[r]
+        assert f"rank{r:05d}.job7-attempt0.part.json" in by_rank[r]
         assert len([p for p in by_rank[r] if p.endswith(".bin")]) == 2
     assert verify(d, check_hash=True).ok
     for r in range(3):
@@ -75,7 +75,7 @@ def test_parts_of_a_crashed_earlier_attempt_are_never_committed(root: Path) -> N
     # an attempt that crashed before committing leaves its part behind under another name
     d = root / "m" / "global_epoch0_step2"
     d.mkdir()
-    (d / "rank00001.part.json").write_text(json.dumps({"save_id": "job9-attempt0", "files": [], "index": {}}))
+    (d / "rank00001.job9-attempt0.part.json").write_text(json.dumps({"save_id": "job9-attempt0", "files": [], "index": {}}))
     p0 = subprocess.Popen([sys.executable, "-c", RANK.replace("step=1", "step=2"), str(root), "0", "2", "job9-attempt1", "1.0"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rc, out, _ = _result(p0)

@@ -115,7 +115,7 @@ def test_index_records_where_each_buffer_lives(cfg: NodeConfig, root: Path) -> N
     entry = m.index["ranks"]["0"]["weights"]
     assert entry["kind"] == "numpy" and entry["shape"] == [300, 517] and entry["nbytes"] == 300 * 517 * 4
     assert sum(seg[2] for seg in entry["segments"]) == entry["nbytes"]
-    part = json.loads((root / "m" / "global_epoch0_step6" / "rank00000.part.json").read_bytes())
+    part = json.loads((root / "m" / "global_epoch0_step6" / f"rank00000.{m.save_id}.part.json").read_bytes())
     assert part["index"] == m.index["ranks"]["0"]
 
 
