@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from . import config as config_mod
-from . import fsafe
+from . import fsafe, reader, staging, writer
 from . import manifest as mf
-from . import reader, staging, writer
 from .buffers import SyntheticSource, to_sources
 from .distributed import Comm
 from .errors import EXIT_FAILED, EXIT_OK, UserError

@@ -23,7 +23,7 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _DUR_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def parse_size(value: str | int, key: str = "size") -> int:
+def parse_size(value: str | int | float, key: str = "size") -> int:
     """'8GiB', '512M', '4096' -> bytes. Binary and decimal units both accepted."""
     if isinstance(value, int):
         if value < 0:
