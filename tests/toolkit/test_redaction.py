@@ -112,3 +112,14 @@ def test_json_and_error_output_are_redacted_in_process(capsys: pytest.CaptureFix
     out, err = capsys.readouterr()
     assert not _leaks(out + err), out + err
     assert "REDACTED" in out and "REDACTED" in err
+
+
+def test_arm_errors_are_redacted() -> None:
+    from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
+    from tiered_ckpt.arm import AmlfsTarget, _translate
+
+    t = AmlfsTarget("sub", "rg", "fs", "job")
+    for err in (ClientAuthenticationError(f'token request failed: {{"access_token": "{SECRET}"}}'),
+                ServiceRequestError(f"GET https://management.azure.com/x?sig={SECRET} Authorization: Bearer {SECRET}")):
+        e = _translate(err, t, "read the job", "/subscriptions/sub/x")
+        assert not _leaks(str(e)) and "REDACTED" in str(e), str(e)
