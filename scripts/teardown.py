@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
+from tiered_ckpt.cli import os_error_message  # noqa: E402
 from tiered_ckpt.config import parse_duration  # noqa: E402
 from tiered_ckpt.errors import EXIT_INTERRUPTED, UserError  # noqa: E402
 from tiered_ckpt.output import print_error, print_json, redact  # noqa: E402
@@ -118,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error("interrupted; re-run the same command to continue (the journal in --state-dir records what is done)",
                     as_json=args.json, exit_code=EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
+    except OSError as e:
+        # e.g. a read-only --state-dir (the journal) or an unreadable --lustre-root
+        msg, code = os_error_message(e)
+        print_error(msg, as_json=args.json, exit_code=code)
+        return code
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)

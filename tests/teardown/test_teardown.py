@@ -480,3 +480,12 @@ def test_verify_content_hashes_each_blob_once_across_polls(env: Env, monkeypatch
     r = env.run("--yes")                                # polls until two iterations, then the final re-check
     assert r.rc == 0, r.err
     assert sorted(calls) == sorted(set(calls)) and len(calls) == 4
+
+
+def test_an_unwritable_journal_is_one_clear_error(env: Env) -> None:
+    archived_ckpts(env, 1)
+    env.journal_dir.parent.mkdir(parents=True, exist_ok=True)
+    env.journal_dir.write_text("a file where the journal directory should be")
+    r = env.run("--yes")
+    assert r.rc in (1, 2) and "Traceback" not in r.err
+    assert str(env.journal_dir) in r.flat and env.mutating() == []
