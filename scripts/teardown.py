@@ -1,6 +1,7 @@
 """Operator teardown between training campaigns (docs/teardown.md).
 
-    python scripts/teardown.py --stack prod [--dry-run] [--yes] [--lustre-root /lustrefs] [--manual-export] [--json]
+    python scripts/teardown.py --stack prod [--dry-run] [--yes] [--lustre-root /lustrefs | --verify-content]
+                               [--manual-export] [--json]
     python scripts/teardown.py delete-archive --stack prod [--dry-run] [--json]
 
 `make teardown STACK=prod ARGS="--dry-run"` runs the first. The teardown proves that Blob holds
@@ -21,9 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
+from tiered_ckpt.cli import os_error_message  # noqa: E402
 from tiered_ckpt.config import parse_duration  # noqa: E402
 from tiered_ckpt.errors import EXIT_INTERRUPTED, UserError  # noqa: E402
-from tiered_ckpt.output import print_error, print_json  # noqa: E402
+from tiered_ckpt.output import print_error, print_json, redact  # noqa: E402
 from tiered_ckpt.teardown import Options, Refused, Teardown, delete_archive  # noqa: E402
 
 
@@ -49,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lustre-root", type=Path, metavar="PATH",
                    help="mount point of the file system (e.g. /lustrefs) where this runs on a node: scan committed markers "
                         "there and require each checkpoint in Blob (default: use the markers found in Blob)")
+    p.add_argument("--verify-content", action="store_true",
+                   help="download and hash every file of every committed checkpoint from Blob and compare with its "
+                        "manifest (streamed, in parallel). Needed without --lustre-root where the blobs carry no "
+                        "exporter hash (AMLFS auto-export writes none): size alone does not prove content")
+    p.add_argument("--lfs", default="lfs", metavar="PATH",
+                   help="the lfs binary for `lfs hsm_state` with --lustre-root (default: lfs on PATH)")
+    p.add_argument("--download-concurrency", type=int, default=8, metavar="N",
+                   help="files downloaded at a time by --verify-content (default 8)")
     p.add_argument("--no-blob-check", action="store_true",
                    help="do not list the data container (e.g. its firewall excludes you); rely on the auto-export counters")
     p.add_argument("--connection-string", default=os.environ.get("AZURE_STORAGE_CONNECTION_STRING"), metavar="CS",
@@ -78,6 +88,7 @@ def options(args: argparse.Namespace) -> Options:
         poll_interval=_duration(args.poll_interval, "--poll-interval"), manual_export=args.manual_export,
         lustre_root=args.lustre_root, blob_check=not args.no_blob_check, connection_string=args.connection_string or None,
         arm_endpoint=args.arm_endpoint, disable_timeout=_duration(args.disable_timeout, "--disable-timeout"),
+        verify_content=args.verify_content, lfs=args.lfs, download_concurrency=max(1, args.download_concurrency),
     )
 
 
@@ -99,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_json({**e.result, "ok": False, "error": str(e), "exit_code": e.exit_code})
         else:
             # Plain text, not wrapped: a refusal is a list an operator reads line by line.
-            sys.stderr.write(f"error: {e}\n")
+            sys.stderr.write(redact(f"error: {e}\n"))
         return e.exit_code
     except UserError as e:
         print_error(str(e), as_json=args.json, exit_code=e.exit_code)
@@ -108,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error("interrupted; re-run the same command to continue (the journal in --state-dir records what is done)",
                     as_json=args.json, exit_code=EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
+    except OSError as e:
+        # e.g. a read-only --state-dir (the journal) or an unreadable --lustre-root
+        msg, code = os_error_message(e)
+        print_error(msg, as_json=args.json, exit_code=code)
+        return code
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)

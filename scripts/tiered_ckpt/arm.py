@@ -32,6 +32,7 @@ from azure.core.exceptions import (
 
 from .config import NodeConfig
 from .errors import ConfigError, ConflictError, IntegrityError, UnavailableError, UserError
+from .redact import redact
 
 T = TypeVar("T")
 
@@ -189,7 +190,16 @@ def _arm_message(err: HttpResponseError) -> str:
 
 
 def _translate(err: Exception, target: AmlfsTarget, what: str, resource: str) -> UserError:
-    """One clear message per Azure failure; `what` is the action, `resource` the ARM id."""
+    """One clear message per Azure failure; `what` is the action, `resource` the ARM id.
+
+    Credentials are removed: an identity or SDK error can quote a token or a signed URL.
+    """
+    e = _translate_raw(err, target, what, resource)
+    clean = redact(str(e))
+    return e if clean == str(e) else type(e)(clean, exit_code=e.exit_code)
+
+
+def _translate_raw(err: Exception, target: AmlfsTarget, what: str, resource: str) -> UserError:
     ep = target.base_url
     if isinstance(err, ClientAuthenticationError) and err.response is None:
         ident = (
@@ -416,7 +426,7 @@ class AmlfsJobs:
         try:
             self._set_admin_status("Enable")
         except BaseException as e:
-            why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+            why = redact(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
             before = ""
             if failure is not None and not isinstance(failure, KeyboardInterrupt):
                 before = f" (the operation before it failed too: {failure})"

@@ -28,6 +28,7 @@ from .errors import ConfigError, UnavailableError, UserError
 from .hashing import new_hasher
 from .manifest import MARKER, Manifest
 from .naming import parse_name
+from .redact import redact, safe_url
 
 T = TypeVar("T")
 
@@ -110,15 +111,26 @@ class BlobStore:
             "connection_timeout": connection_timeout if connection_timeout is not None else min(10.0, self.timeout),
             "read_timeout": self.timeout,
         }
+        # `where` names the archive in messages: scheme://host/path only, because the service
+        # URL of a SAS connection string carries the token in its query string.
         if cfg.connection_string:
-            svc = BlobServiceClient.from_connection_string(cfg.connection_string, **kw)
-            self.where = f"container {cfg.container!r} at {svc.url}"
+            try:
+                svc = BlobServiceClient.from_connection_string(cfg.connection_string, **kw)
+            except ValueError:
+                # The SDK's own message may quote the string; never show its secrets.
+                raise ConfigError(
+                    "archive.connection_string is not a storage connection string (Key=Value pairs separated by ';', "
+                    "e.g. DefaultEndpointsProtocol=https;AccountName=...;AccountKey=...;EndpointSuffix=core.windows.net, "
+                    "or BlobEndpoint=...;SharedAccessSignature=...); copy it from the storage account's Access keys, "
+                    "or set archive.account_url instead"
+                ) from None
+            self.where = f"container {cfg.container!r} at {safe_url(svc.url)}"
         else:
             from azure.identity import DefaultAzureCredential
 
             cred = DefaultAzureCredential(managed_identity_client_id=cfg.managed_identity_client_id)
             svc = BlobServiceClient(str(cfg.account_url), credential=cred, **kw)
-            self.where = f"container {cfg.container!r} at {cfg.account_url}"
+            self.where = f"container {cfg.container!r} at {safe_url(str(cfg.account_url))}"
         self.service = svc
         self.container: ContainerClient = svc.get_container_client(cfg.container)
 
@@ -155,14 +167,14 @@ class BlobStore:
                 raise
             except ClientAuthenticationError as e:
                 raise UserError(
-                    f"access to the archive {self.where} was denied: {e.message if hasattr(e, 'message') else e}; "
+                    f"access to the archive {self.where} was denied: {redact(str(e.message if hasattr(e, 'message') else e))}; "
                     "grant the node's identity Storage Blob Data Contributor or fix archive.connection_string",
                     exit_code=3,
                 ) from None
             except HttpResponseError as e:
                 status = getattr(e, "status_code", None) or 0
                 if status and status < 500 and status not in (408, 429):
-                    msg = str(getattr(e, "message", "") or e).splitlines()[0][:300]
+                    msg = redact(str(getattr(e, "message", "") or e)).splitlines()[0][:300]
                     raise UserError(f"the archive {self.where} refused {what}: {msg} (HTTP {status})", exit_code=1) from None
                 last = e
             except (AzureError, ConnectionError, TimeoutError) as e:
@@ -174,7 +186,8 @@ class BlobStore:
                     break           # out of budget: no attempt left would finish in time
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
-        reason = (str(last).splitlines()[0][:200] if str(last) else type(last).__name__) if last else "no answer"
+        # SDK and urllib3 errors quote the request URL, SAS query string included.
+        reason = (redact(str(last)).splitlines()[0][:200] if str(last) else type(last).__name__) if last else "no answer"
         raise UnavailableError(
             f"the archive {self.where} is unreachable: {what} failed {tried} times ({reason}; archive.timeout "
             f"{self.timeout:g}s, archive.retries {self.cfg.retries}); "

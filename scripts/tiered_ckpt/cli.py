@@ -6,14 +6,16 @@ user errors into one clear line and an exit code (see errors.py), never a traceb
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from . import config as config_mod
-from .errors import EXIT_INTERRUPTED, UserError
-from .output import print_error
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from .output import install_log_redaction, print_error, redact
 
 # Modules that contribute subcommands through `register(subparsers, parent)`.
 COMMAND_MODULES = (
@@ -57,21 +59,62 @@ def load_config(args: argparse.Namespace) -> config_mod.NodeConfig:
     )
 
 
+# errno -> (what it means for the user, exit code). The path's mount or permissions are the
+# user's to fix (EXIT_USAGE); a full or failing device is an operation that failed.
+_OS_ERRORS = {
+    errno.EROFS: ("the file system is mounted read-only; remount it read-write (or use another --root)", EXIT_USAGE),
+    errno.EACCES: ("permission denied; run as a user that may write there, or fix the directory's permissions", EXIT_USAGE),
+    errno.EPERM: ("operation not permitted (an immutable file or directory, or a permission the user lacks); "
+                  "check `lsattr -d` and the permissions", EXIT_USAGE),
+    errno.ENOENT: ("no such file or directory; check the path (--root, --config) and that the file system is mounted",
+                   EXIT_USAGE),
+    errno.ENOTDIR: ("a component of the path is not a directory; check the path", EXIT_USAGE),
+    errno.ENOSPC: ("no space left on the device; free space (retention apply) or grow the file system", EXIT_FAILED),
+    errno.EDQUOT: ("disk quota exceeded; free space or raise the quota", EXIT_FAILED),
+    errno.ENOMEM: ("out of memory; lower io.threads, io.block_size or io.staging_bytes", EXIT_FAILED),
+    errno.EIO: ("an I/O error from the device; check the file system (dmesg, lfs check servers)", EXIT_FAILED),
+}
+
+
+def os_error_message(e: OSError, cfg: config_mod.NodeConfig | None = None) -> tuple[str, int]:
+    """One line for an OSError that reached the command line: the path, the errno and the fix."""
+    name = errno.errorcode.get(e.errno or 0, "") if e.errno else ""
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    where = " -> ".join(paths) if paths else (f"a file under the checkpoint root {cfg.root}" if cfg else "a file")
+    hint, code = _OS_ERRORS.get(e.errno or -1, ("check the path and the file system", EXIT_FAILED))
+    reason = e.strerror or str(e) or type(e).__name__
+    return f"{where}: {reason}{f' ({name})' if name else ''}: {hint}", code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    as_json = bool(getattr(args, "json", False))
+    # Log records (the Azure SDK's warnings included) go through the same redaction as output.
+    install_log_redaction()
     # SIGTERM (systemd stop, kill) takes the same clean-up path as Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    cfg: config_mod.NodeConfig | None = None
     try:
         cfg = load_config(args)
         handler: Handler = args.handler
         return int(handler(args, cfg) or 0)
     except UserError as e:
-        print_error(str(e), as_json=getattr(args, "json", False), exit_code=e.exit_code)
+        print_error(str(e), as_json=as_json, exit_code=e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
-        print_error("interrupted; nothing committed was changed", as_json=getattr(args, "json", False), exit_code=EXIT_INTERRUPTED)
+        print_error("interrupted; nothing committed was changed", as_json=as_json, exit_code=EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
+    except OSError as e:
+        # The environment, not a bug: a read-only or full file system, a permission.
+        msg, code = os_error_message(e, cfg)
+        print_error(msg, as_json=as_json, exit_code=code)
+        return code
+    except Exception:
+        # A bug. Its traceback helps the report, but it may quote a URL with a SAS token.
+        sys.stderr.write(redact(traceback.format_exc()))
+        print_error("internal error (the traceback above); please report it", as_json=as_json, exit_code=EXIT_FAILED)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

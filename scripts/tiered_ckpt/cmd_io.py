@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from . import config as config_mod
+from . import fsafe, reader, staging, writer
 from . import manifest as mf
-from . import reader, staging, writer
 from .buffers import SyntheticSource, to_sources
 from .distributed import Comm
 from .errors import EXIT_FAILED, EXIT_OK, UserError
@@ -30,8 +32,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     mode.add_argument("--direct", dest="direct", action="store_true", default=None, help="O_DIRECT (default: io.direct)")
     mode.add_argument("--buffered", dest="direct", action="store_false", help="through the page cache")
     b.add_argument("--no-hash", dest="hash", action="store_false", help="skip the inline xxh3-128 hash (to measure its cost)")
-    b.add_argument("--keep", action="store_true", help="leave the checkpoint committed instead of deleting it")
-    b.add_argument("--name", help="with --keep: the checkpoint name (default: a new global_epoch0_step<N>)")
+    b.add_argument("--keep", action="store_true",
+                   help=f"leave the benchmark checkpoint in its scratch directory (<dir>/{BENCH_DIR}/<run>/) instead of "
+                        "deleting it; it never becomes one of the model's checkpoints")
+    b.add_argument("--name", help="with --keep: the checkpoint name inside the scratch directory (default: global_epoch0_step1)")
     b.set_defaults(handler=cmd_bench)
 
     ls = sub.add_parser("list", parents=[parent], help="checkpoints of the model: epoch, step, committed, bytes, files")
@@ -43,9 +47,32 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     v.set_defaults(handler=cmd_verify)
 
 
-def _next_bench_name(root: Path, model: str) -> CheckpointId:
-    steps = [c.id.step for c in mf.scan(root, model) if c.id.epoch == 0]
-    return CheckpointId(0, max(steps, default=0) + 1)
+# Bench writes only here: a dot-directory under the root, so no lifecycle command ever sees it
+# (list/status/retention/restore look at <root>/<model>/ only; the exporter skips dot-names;
+# the teardown scan skips dot-directories), and each run in its own scratch "model" directory.
+BENCH_DIR = ".tiered-ckpt-bench"
+
+
+def _bench_scratch(root: Path) -> tuple[Path, str]:
+    """(<root>/.tiered-ckpt-bench, a fresh run directory name) — created, never a symlink."""
+    base = root / BENCH_DIR
+    try:
+        base.mkdir(mode=0o755, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the benchmark's scratch directory {base}: {e.strerror}; "
+                        "pass a writable --dir") from None
+    if not fsafe.is_real_dir(base):
+        raise UserError(f"{base} is not a directory (or is a symlink); remove it, then re-run bench")
+    run = f"run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
+    return base, run
+
+
+def _remove_scratch(base: Path, run: str) -> None:
+    shutil.rmtree(base / run, ignore_errors=True)
+    try:
+        base.rmdir()          # only when no other run (a --keep, a concurrent bench) is left
+    except OSError:
+        pass
 
 
 def _drop_page_cache() -> bool:
@@ -72,7 +99,17 @@ def cmd_bench(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     if args.name and not args.keep:
         raise UserError("--name only applies with --keep (without it the benchmark checkpoint is deleted)")
     mf.require_root(root, "--dir")
-    cid = require_name(args.name) if args.name else _next_bench_name(root, cfg.model)
+    cid = require_name(args.name) if args.name else CheckpointId(0, 1)
+    base, run = _bench_scratch(root)
+    try:
+        return _bench(args, cfg, base, run, cid, size, block)
+    finally:
+        if not args.keep:
+            _remove_scratch(base, run)
+
+
+def _bench(args: argparse.Namespace, cfg: config_mod.NodeConfig, base: Path, run: str, cid: CheckpointId,
+           size: int, block: int) -> int:
     opts = writer.WriteOptions(files=args.files or cfg.io.files_per_rank, threads=args.threads or cfg.io.threads,
                                block_size=block, direct=cfg.io.direct if args.direct is None else args.direct, hash=args.hash)
     pool = staging.pool("sync", cfg.io.sync_buffer_bytes, block)
@@ -80,25 +117,21 @@ def cmd_bench(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     show = not args.json
     with byte_progress(f"write {cid.name}", size, enabled=show) as prog:
         t0 = time.perf_counter()
-        save = writer.Save(root, cfg.model, cid, sources, Comm(0, 1), opts, pool, overwrite_incomplete=False,
+        save = writer.Save(base, run, cid, sources, Comm(0, 1), opts, pool, overwrite_incomplete=False,
                            progress=prog.advance)
         save.prepare()
         save.produce()
         result = save.finish()
         write_s = time.perf_counter() - t0
-    info = mf.inspect(cfg.model, Path(result.path), cid)   # just this directory, not a scan of the model
+    info = mf.inspect(run, Path(result.path), cid)   # just this directory, not a scan
     assert info.manifest is not None
     m = info.manifest
     cache_dropped = opts.direct or _drop_page_cache()
-    try:
-        with byte_progress(f"read  {cid.name}", size, enabled=show) as prog:
-            t0 = time.perf_counter()
-            problems = reader.read_files(info.path, [f for f in m.files if f.path.endswith(".bin")], threads=opts.threads,
-                                         block_size=block, direct=opts.direct, check_hash=opts.hash, progress=prog.advance)
-            read_s = time.perf_counter() - t0
-    finally:
-        if not args.keep:
-            mf.remove_checkpoint(info.path)
+    with byte_progress(f"read  {cid.name}", size, enabled=show) as prog:
+        t0 = time.perf_counter()
+        problems = reader.read_files(info.path, [f for f in m.files if f.path.endswith(".bin")], threads=opts.threads,
+                                     block_size=block, direct=opts.direct, check_hash=opts.hash, progress=prog.advance)
+        read_s = time.perf_counter() - t0
     if problems:
         raise UserError("read-back failed: " + "; ".join(problems), exit_code=EXIT_FAILED)
     out: dict[str, Any] = {
@@ -127,7 +160,8 @@ def cmd_bench(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
                 f"{'O_DIRECT' if result.direct else 'buffered'}, hash {'on' if opts.hash else 'off'}", cols, rows)
     if not cache_dropped:
         stdout.print("note: buffered read may be served from the page cache (could not drop it)")
-    stdout.print(f"kept committed at {info.path}" if args.keep else "benchmark checkpoint deleted")
+    stdout.print(f"kept at {info.path} (a scratch directory, not one of {cfg.model}'s checkpoints; "
+                 f"remove it with: rm -r {base / run})" if args.keep else "benchmark checkpoint deleted", highlight=False)
     return EXIT_OK
 
 

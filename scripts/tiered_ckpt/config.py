@@ -23,7 +23,7 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _DUR_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def parse_size(value: str | int, key: str = "size") -> int:
+def parse_size(value: str | int | float, key: str = "size") -> int:
     """'8GiB', '512M', '4096' -> bytes. Binary and decimal units both accepted."""
     if isinstance(value, int):
         if value < 0:
@@ -126,69 +126,195 @@ class NodeConfig:
 
 
 _SIZE_KEYS = {"block_size", "staging_bytes", "sync_buffer_bytes"}
+# Settings whose value is a secret: messages name the key, never the value.
+_SECRET_KEYS = {"connection_string"}
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
 T = TypeVar("T")
 
 
-def _build(cls: type[T], data: Any, where: str) -> T:
+def _show(key: str, value: Any) -> str:
+    return "(value hidden: it may hold a secret)" if key.rsplit(".", 1)[-1] in _SECRET_KEYS else repr(value)
+
+
+def parse_bool(value: Any, key: str) -> bool:
+    """true/false, or the words yes/no/on/off/1/0 (a quoted "no" must never read as true)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{key}: {value!r} is not true or false; write {key.rsplit('.', 1)[-1]}: true or false")
+
+
+def _build(cls: type[T], data: Any, where: str, problems: list[str] | None = None) -> T:
+    """The dataclass from a mapping; conversion problems are collected in `problems` (the
+    setting then keeps its default so that the remaining settings are still checked)."""
+    own = problems is None
+    probs: list[str] = [] if problems is None else problems
     if data is None:
         return cls()
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of settings, got {data!r}")
+        probs.append(f"{where or 'the config file'}: expected a mapping of settings (key: value lines), got {data!r}")
+        if own:
+            raise ConfigError(probs[0])
+        return cls()
     known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        full = f"{where}.{key}" if where else key
+        full = f"{where}.{key}" if where else str(key)
         if key not in known or key == "source":
-            raise ConfigError(f"{full}: unknown setting; known settings here: {', '.join(sorted(k for k in known if k != 'source'))}")
+            probs.append(f"{full}: unknown setting; known settings here: {', '.join(sorted(k for k in known if k != 'source'))}")
+            continue
         default = getattr(cls(), key)
-        if is_dataclass(default):
-            kwargs[key] = _build(type(default), value, full)
-        elif key in _SIZE_KEYS:
-            kwargs[key] = parse_size(value, full)
-        elif key in ("timeout", "restore_grace"):
-            kwargs[key] = parse_duration(value, full)
-        elif key == "keep_newer_than":
-            kwargs[key] = None if value in (None, "", 0) else parse_duration(value, full)
-        else:
-            kwargs[key] = value
-    return cls(**kwargs)
+        try:
+            if is_dataclass(default):
+                kwargs[key] = _build(type(default), value, full, probs)
+            elif key in _SIZE_KEYS:
+                if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                    raise ConfigError(f"{full}: {value!r} is not a size; use a number with an optional unit, e.g. 16MiB")
+                kwargs[key] = parse_size(value, full)
+            elif key in ("timeout", "restore_grace"):
+                kwargs[key] = parse_duration(value, full)
+            elif key == "keep_newer_than":
+                kwargs[key] = None if value in (None, "", 0) else parse_duration(value, full)
+            elif known[key].type == "bool":
+                kwargs[key] = parse_bool(value, full)
+            else:
+                kwargs[key] = value
+        except ConfigError as e:
+            probs.append(str(e))
+    out = cls(**kwargs)
+    if own and probs:
+        raise ConfigError(_joined(probs, None))
+    return out
 
 
-def _check_int(value: Any, key: str, minimum: int) -> None:
+def _joined(problems: list[str], source: str | None) -> str:
+    where = f" (in {source})" if source else ""
+    if len(problems) == 1:
+        return problems[0] + where
+    return f"{len(problems)} problems in the configuration{where}:\n  - " + "\n  - ".join(problems)
+
+
+def _check_int(value: Any, key: str, minimum: int, problems: list[str] | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{key}: {value!r} must be a whole number >= {minimum}")
+        msg = f"{key}: {value!r} must be a whole number >= {minimum}"
+        if problems is None:
+            raise ConfigError(msg)
+        problems.append(msg)
+
+
+def _check_types(obj: Any, where: str, problems: list[str]) -> Any:
+    """Every setting has the type its field declares: text where text is expected, and so on.
+
+    Returns `obj` with each wrongly typed setting back at its default, so that the value
+    checks can still run over the rest (and report every problem at once).
+    """
+    fixed: dict[str, Any] = {}
+    default = type(obj)()
+    for f in fields(obj):
+        if f.name == "source":
+            continue
+        key = f"{where}.{f.name}" if where else f.name
+        value = getattr(obj, f.name)
+        kind = str(f.type).replace(" ", "")
+        if is_dataclass(value):
+            fixed[f.name] = _check_types(value, key, problems)
+            continue
+        optional = kind.endswith("|None")
+        base = kind.removesuffix("|None")
+        if value is None and optional:
+            continue
+        before = len(problems)
+        if base == "str" and not isinstance(value, str):
+            problems.append(f"{key}: {_show(key, value)} is not text; quote it in YAML (e.g. {f.name}: \"{value}\")"
+                            if isinstance(value, (int, float)) and not isinstance(value, bool) else
+                            f"{key}: {_show(key, value)} is not text; give a string")
+        elif base == "bool" and not isinstance(value, bool):
+            problems.append(f"{key}: {value!r} is not true or false")
+        elif base == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            problems.append(f"{key}: {value!r} is not a number; give a plain number without quotes or units, e.g. {f.name}: 2.0")
+        elif base == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            problems.append(f"{key}: {value!r} is not a whole number")
+        if len(problems) > before:
+            fixed[f.name] = getattr(default, f.name)
+    return replace(obj, **fixed) if fixed else obj
+
+
+def _connection_string_problem(cs: str) -> str | None:
+    """Why a connection string cannot be one (without quoting it: it holds secrets)."""
+    pairs: dict[str, str] = {}
+    for part in cs.strip().strip(";").split(";"):
+        if not part.strip():
+            continue
+        k, eq, v = part.partition("=")
+        if not eq or not k.strip():
+            return "is not a storage connection string (it must be Key=Value pairs separated by ';')"
+        pairs[k.strip().lower()] = v
+    if not any(k in pairs for k in ("blobendpoint", "accountname", "usedevelopmentstorage")):
+        return "names no account (neither AccountName= nor BlobEndpoint=)"
+    return None
 
 
 def validate(cfg: NodeConfig) -> None:
-    where = f" (in {cfg.source})" if cfg.source else ""
+    """Raise one ConfigError listing every problem found (each names its setting and the fix)."""
+    problems = problems_of(cfg)
+    if problems:
+        raise ConfigError(_joined(problems, cfg.source))
+
+
+def problems_of(cfg: NodeConfig) -> list[str]:
+    """Every problem of a configuration, each naming its setting and the fix."""
+    problems: list[str] = []
+    # The value checks run on a copy whose wrongly typed settings are back at their defaults.
+    cfg = _check_types(cfg, "", problems)
     if cfg.backend not in ("amlfs", "local"):
-        raise ConfigError(f"backend: {cfg.backend!r} is not a back-end{where}; use amlfs or local")
+        problems.append(f"backend: {cfg.backend!r} is not a back-end; use amlfs or local")
     if not str(cfg.root).strip():
-        raise ConfigError(f"root: empty{where}; set the checkpoint root, e.g. /lustrefs/checkpoints")
+        problems.append("root: empty; set the checkpoint root, e.g. /lustrefs/checkpoints")
+    elif "\0" in cfg.root:
+        problems.append("root: contains a NUL character; give a path")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.model):
-        raise ConfigError(f"model: {cfg.model!r}{where} must be letters, digits, '.', '_' or '-'")
-    _check_int(cfg.nodes, "nodes", 1)
-    _check_int(cfg.io.threads, "io.threads", 1)
-    _check_int(cfg.io.files_per_rank, "io.files_per_rank", 1)
+        problems.append(f"model: {cfg.model!r} must be letters, digits, '.', '_' or '-' (starting with a letter or digit)")
+    _check_int(cfg.nodes, "nodes", 1, problems)
+    _check_int(cfg.io.threads, "io.threads", 1, problems)
+    _check_int(cfg.io.files_per_rank, "io.files_per_rank", 1, problems)
     if cfg.io.block_size < 4096 or cfg.io.block_size % 4096:
-        raise ConfigError(f"io.block_size: {cfg.io.block_size} must be a multiple of 4 KiB (O_DIRECT alignment), e.g. 16MiB")
-    _check_int(cfg.archive.concurrency, "archive.concurrency", 1)
-    _check_int(cfg.archive.retries, "archive.retries", 0)
-    t = cfg.archive.timeout
+        problems.append(f"io.block_size: {cfg.io.block_size} must be a multiple of 4 KiB (O_DIRECT alignment), e.g. 16MiB")
+    a = cfg.archive
+    _check_int(a.concurrency, "archive.concurrency", 1, problems)
+    _check_int(a.retries, "archive.retries", 0, problems)
+    if a.connection_string is not None:
+        why = _connection_string_problem(a.connection_string)
+        if why:
+            problems.append(f"archive.connection_string {why}; copy it from the storage account's Access keys (or "
+                            "Azurite's documented one), or remove it and set archive.account_url")
+    if a.account_url is not None and not re.match(r"^https?://[^/?#\s]+", a.account_url):
+        problems.append(f"archive.account_url: {a.account_url!r} is not a URL; use https://<account>.blob.core.windows.net")
+    if not a.container.strip():
+        problems.append("archive.container: empty; name the data container, e.g. checkpoints")
+    t = a.timeout
     if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= 3600:
-        raise ConfigError(f"archive.timeout: {t!r}{where} must be seconds between 0 and 3600 (e.g. 30 or 30s)")
-    _check_int(cfg.amlfs.hsm_batch, "amlfs.hsm_batch", 1)
+        problems.append(f"archive.timeout: {t!r} must be seconds between 0 and 3600 (e.g. 30 or 30s)")
+    _check_int(cfg.amlfs.hsm_batch, "amlfs.hsm_batch", 1, problems)
+    gbps = cfg.amlfs.provisioned_gbps
+    if gbps is not None and gbps <= 0:
+        problems.append(f"amlfs.provisioned_gbps: {gbps!r} must be > 0 (GB/s), or leave it out")
     r = cfg.retention
-    _check_int(r.keep_last, "retention.keep_last", 1)
-    _check_int(r.keep_every_steps, "retention.keep_every_steps", 0)
-    _check_int(r.min_keep, "retention.min_keep", 1)
+    _check_int(r.keep_last, "retention.keep_last", 1, problems)
+    _check_int(r.keep_every_steps, "retention.keep_every_steps", 0, problems)
+    _check_int(r.min_keep, "retention.min_keep", 1, problems)
     g = r.restore_grace
     if not isinstance(g, (int, float)) or isinstance(g, bool) or g < 0:
-        raise ConfigError(f"retention.restore_grace: {g!r}{where} must be a duration >= 0 (e.g. 1h; 0 = off)")
+        problems.append(f"retention.restore_grace: {g!r} must be a duration >= 0 (e.g. 1h; 0 = off)")
     if r.action not in ("delete", "release"):
-        raise ConfigError(f"retention.action: {r.action!r}{where}; use delete or release")
-    if r.action == "release" and cfg.backend != "amlfs":
-        raise ConfigError("retention.action: release frees Lustre data with lfs hsm_release and needs backend amlfs; use delete with the local back-end")
+        problems.append(f"retention.action: {r.action!r}; use delete or release")
+    elif r.action == "release" and cfg.backend != "amlfs":
+        problems.append("retention.action: release frees Lustre data with lfs hsm_release and needs backend amlfs; "
+                        "use delete with the local back-end")
+    return problems
 
 
 def config_path(explicit: str | None) -> Path | None:
@@ -210,14 +336,25 @@ def load(explicit: str | None = None) -> NodeConfig:
         validate(cfg)
         return cfg
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found; pass --config PATH or set {ENV_VAR}") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {path} cannot be read: {e}") from None
-    cfg = _build(NodeConfig, data or {}, "")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; pass the YAML file itself (--config PATH)") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}; check its permissions") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    problems: list[str] = []
+    cfg = _build(NodeConfig, {} if data is None else data, "", problems)
     cfg = replace(cfg, source=str(path))
-    validate(cfg)
+    problems += problems_of(cfg)      # conversion and validation problems, reported together
+    if problems:
+        raise ConfigError(_joined(problems, str(path)))
     return cfg
 
 

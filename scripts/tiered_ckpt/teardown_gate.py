@@ -10,19 +10,29 @@ last successful export iteration recent, zero failed files, then disable auto-ex
   On a re-run after this teardown disabled auto-export, Disabled is accepted (the journal says
   so) and the frozen last-success time must still be after the newest commit.
 * blob (when checked): every committed checkpoint's marker and every file its manifest names
-  exist in the data container with the right size.
-* without a Lustre scan, a checkpoint whose marker never reached Blob is invisible, and an
-  iteration that *finished* after the newest known commit may have *started* before a later
-  one: so two iterations must complete after the teardown first looked (the second one then
-  started after that moment and walked everything committed before it). Training must be
-  stopped before a teardown; the Lustre scan (--lustre-root) needs no such wait.
+  exist in the data container with the right size, and with the right *content* (a blob of the
+  right size may be an older save of the same name, or zeros):
+  - the marker: with a Lustre scan, the Blob marker's bytes hash to the Lustre marker's hash
+    (markers are small; both are read). Without one, the Blob marker is the reference.
+  - each file, by the first proof available: its downloaded content hashes to the manifest's
+    xxh3-128 (--verify-content); or the exporter's xxh3 metadata on the blob equals the
+    manifest's (the local exporter writes it with the upload; AMLFS auto-export writes none);
+    or `lfs hsm_state` says exists + archived and not dirty/lost (the HSM's own statement that
+    the archived copy is the current content; needs --lustre-root). A file with none of these
+    is "content-unproven" and the gate fails. `GateResult.proofs` says which proof was used
+    for each checkpoint.
+* an iteration that *finished* after the newest known commit may have *started* before it (and
+  without a Lustre scan, a checkpoint whose marker never reached Blob is invisible): so two
+  iterations must complete after the teardown first looked (the second one then started after
+  that moment and walked everything committed before it), with or without --lustre-root.
+  Training must be stopped before a teardown.
 
 Which checkpoints exist comes from Lustre when it was scanned (--lustre-root), else from the
 markers found in Blob; `GateResult.evidence` says which. All I/O lives in teardown.py.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -38,10 +48,16 @@ class CheckpointRecord:
     committed_utc: datetime | None          # Lustre: marker mtime; Blob: manifest created_utc
     files: tuple[tuple[str, int], ...]      # (path relative to the checkpoint dir, size)
     marker_size: int | None = None          # known on Lustre; Blob's marker must match it
+    # (path, xxh3-128 the manifest names for it; None: saved without hashes)
+    hashes: tuple[tuple[str, str | None], ...] = ()
+    marker_hash: str | None = None          # xxh3-128 of the marker's bytes on Lustre
 
     @property
     def key(self) -> str:
         return f"{self.model}/{self.name}"
+
+    def hash_of(self, path: str) -> str | None:
+        return dict(self.hashes).get(path)
 
 
 @dataclass(frozen=True)
@@ -76,12 +92,19 @@ class Evidence:
     blob_bad_markers: tuple[tuple[str, str], ...] = ()   # (marker path, why it does not count)
     # exportIterationCount when this teardown first looked (kept in its journal across re-runs).
     iteration_baseline: int | None = None
+    # Content evidence, keyed like `blob` (path relative to the checkpoint prefix):
+    blob_hashes: dict[str, str] = field(default_factory=dict)         # the exporter's xxh3 metadata, where present
+    blob_marker_hashes: dict[str, str | None] = field(default_factory=dict)  # xxh3 of the Blob marker's bytes
+    hsm: dict[str, str] | None = None       # "" = exists+archived, clean; else why not. None: not read
+    hsm_note: str = ""                      # why the HSM state was not read
+    content: dict[str, str] | None = None   # xxh3 of the downloaded blob (--verify-content); None: not downloaded
 
 
 @dataclass(frozen=True)
 class Problem:
     kind: str      # export-state | export-stale | export-failed-files | export-missing | archive-failed
-    #                | checkpoint-missing | file-missing | file-size | marker-bad
+    #                | checkpoint-missing | file-missing | file-size | marker-bad | marker-differs
+    #                | file-content | not-archived | content-unproven
     message: str
     checkpoint: str | None = None
     file: str | None = None
@@ -98,8 +121,9 @@ class GateResult:
     newest: str | None
     newest_committed_utc: datetime | None
     warnings: tuple[str, ...] = ()
-    missing_bytes: int = 0                  # bytes of files not (yet) in Blob with the right size
+    missing_bytes: int = 0                  # bytes of files not (yet) proven in Blob
     total_bytes: int = 0
+    proofs: dict[str, str] = field(default_factory=dict)   # checkpoint -> which content proof was used
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -112,6 +136,7 @@ class GateResult:
             "warnings": list(self.warnings),
             "missing_bytes": self.missing_bytes,
             "total_bytes": self.total_bytes,
+            "proofs": dict(self.proofs),
         }
 
 
@@ -165,17 +190,18 @@ def _export_problems(ev: Evidence, newest: CheckpointRecord | None) -> tuple[lis
             f"auto-export reports failed files (total {ex.total_files_failed}, current iteration "
             f"{ex.current_iteration_files_failed}); the failures are listed in the logging container",
             expected=0, found={"total": ex.total_files_failed, "current_iteration": ex.current_iteration_files_failed}))
-    if (healthy or ours) and ev.lustre is None and ev.iteration_baseline is None:
-        notes.append("a real run (without --lustre-root) also waits for two auto-export iterations that start after it begins")
-    if (healthy or ours) and ev.lustre is None and ex.iteration_count is not None and ev.iteration_baseline is not None:
+    if (healthy or ours) and ev.iteration_baseline is None:
+        notes.append("a real run also waits for two auto-export iterations that start after it begins")
+    if (healthy or ours) and ex.iteration_count is not None and ev.iteration_baseline is not None:
         since = ex.iteration_count - ev.iteration_baseline
-        notes.append(f"auto-export iterations completed since this teardown first looked: {since} (2 needed without --lustre-root)")
+        notes.append(f"auto-export iterations completed since this teardown first looked: {since} (2 needed)")
         if since < 2:
             problems.append(Problem(
                 "export-stale",
                 f"waiting for an auto-export iteration that started after this teardown began ({since} of 2 completed "
-                "since): without --lustre-root only such an iteration proves that checkpoints whose markers are not in "
-                "Blob yet were exported; make sure training has stopped",
+                "since): only such an iteration has walked every checkpoint committed before the teardown (one "
+                "committed just before it may not be exported yet, and without --lustre-root one whose marker is not "
+                "in Blob is invisible); make sure training has stopped",
                 expected=2, found=since))
     if newest is not None and newest_t is not None:
         if ex.last_success_utc is None or ex.last_success_utc <= newest_t:
@@ -187,8 +213,44 @@ def _export_problems(ev: Evidence, newest: CheckpointRecord | None) -> tuple[lis
     return problems, notes
 
 
-def _blob_problems(expected: tuple[CheckpointRecord, ...], blob: dict[str, int]) -> tuple[list[Problem], int, int]:
+def _content(ev: Evidence, rec: CheckpointRecord, key: str, path: str) -> tuple[str | None, Problem | None]:
+    """(the proof used, or the problem) for one file already present with the right size."""
+    want = rec.hash_of(path)
+    if ev.content is not None and key in ev.content:
+        if want is None:
+            return None, Problem("content-unproven", f"{rec.key}/{path}: downloaded, but the manifest names no hash "
+                                 "(saved with hash=False) and no Lustre copy was hashed to compare with",
+                                 checkpoint=rec.key, file=path, expected="a hash", found=None)
+        if ev.content[key] != want:
+            return None, Problem("file-content", f"{rec.key}/{path}: the blob's content (xxh3 {ev.content[key]}) is not "
+                                 f"the committed file's (xxh3 {want}): Blob holds other bytes of the same size",
+                                 checkpoint=rec.key, file=path, expected=want, found=ev.content[key])
+        return "downloaded content hash", None
+    meta = ev.blob_hashes.get(key)
+    if meta is not None and want is not None:
+        if meta != want:
+            return None, Problem("file-content", f"{rec.key}/{path}: the blob was uploaded from other content (exporter "
+                                 f"xxh3 {meta}, the manifest says {want}): an older or other save of this name",
+                                 checkpoint=rec.key, file=path, expected=want, found=meta)
+        return "exporter xxh3 metadata", None
+    if ev.hsm is not None and key in ev.hsm:
+        why = ev.hsm[key]
+        if why:
+            return None, Problem("not-archived", f"{rec.key}/{path} on Lustre: {why}; the blob of that name is not "
+                                 "(yet) its current content", checkpoint=rec.key, file=path, expected="archived", found=why)
+        return "lfs hsm_state archived", None
+    how = ("pass --verify-content to download and hash it" if ev.lustre is None and ev.hsm is None else
+           "pass --verify-content to download and hash it, or run with --lustre-root on a node where lfs works")
+    return None, Problem("content-unproven", f"{rec.key}/{path}: the blob has the right size but nothing proves its "
+                         f"content (no exporter hash metadata{', no HSM state' if ev.hsm is None else ''}); {how}",
+                         checkpoint=rec.key, file=path, expected="proof", found=None)
+
+
+def _blob_problems(expected: tuple[CheckpointRecord, ...], blob: dict[str, int],
+                   ev: Evidence | None = None) -> tuple[list[Problem], int, int, dict[str, str]]:
+    ev = ev if ev is not None else Evidence(True, None, blob=blob)
     problems: list[Problem] = []
+    proofs: dict[str, str] = {}
     missing_bytes = total = 0
     for rec in expected:
         base = f"{rec.model}/{rec.name}/"
@@ -200,23 +262,46 @@ def _blob_problems(expected: tuple[CheckpointRecord, ...], blob: dict[str, int])
                                     f"{len(rec.files)} files)", checkpoint=rec.key, expected=len(rec.files) + 1, found=0))
             missing_bytes += sum(s for _, s in rec.files)
             continue
+        used: dict[str, int] = {}
         if marker is None:
             problems.append(Problem("file-missing", f"{rec.key}/{MARKER} (the commit marker) is not in Blob",
                                     checkpoint=rec.key, file=MARKER, expected="present", found="missing"))
         elif rec.marker_size is not None and marker != rec.marker_size:
             problems.append(Problem("file-size", f"{rec.key}/{MARKER}: {marker} bytes in Blob, {rec.marker_size} on Lustre",
                                     checkpoint=rec.key, file=MARKER, expected=rec.marker_size, found=marker))
+        elif rec.marker_hash is not None:
+            got = ev.blob_marker_hashes.get(base + MARKER)
+            if got != rec.marker_hash:
+                problems.append(Problem(
+                    "marker-differs",
+                    f"{rec.key}/{MARKER} in Blob is not the marker on Lustre ("
+                    + ("it could not be read" if got is None else f"same size, other content: xxh3 {got}, Lustre's {rec.marker_hash}")
+                    + "): Blob holds another save of this name, and restore would read that one",
+                    checkpoint=rec.key, file=MARKER, expected=rec.marker_hash, found=got))
         for path, size in rec.files:
-            got = blob.get(base + path)
-            if got is None:
+            got_size = blob.get(base + path)
+            if got_size is None:
                 problems.append(Problem("file-missing", f"{rec.key}/{path} is not in Blob ({size} bytes expected)",
                                         checkpoint=rec.key, file=path, expected=size, found=None))
                 missing_bytes += size
-            elif got != size:
-                problems.append(Problem("file-size", f"{rec.key}/{path}: {got} bytes in Blob, the manifest says {size}",
-                                        checkpoint=rec.key, file=path, expected=size, found=got))
+                continue
+            if got_size != size:
+                problems.append(Problem("file-size", f"{rec.key}/{path}: {got_size} bytes in Blob, the manifest says {size}",
+                                        checkpoint=rec.key, file=path, expected=size, found=got_size))
                 missing_bytes += size
-    return problems, missing_bytes, total
+                continue
+            proof, problem = _content(ev, rec, base + path, path)
+            if problem is not None:
+                problems.append(problem)
+                missing_bytes += size
+            else:
+                assert proof is not None
+                used[proof] = used.get(proof, 0) + 1
+        marker_how = ("marker identical to Lustre's (xxh3 of its bytes)" if rec.marker_hash is not None
+                      else "marker as found in Blob (the reference)")
+        files_how = ", ".join(f"{n} file(s) by {how}" for how, n in sorted(used.items())) or "no file proven"
+        proofs[rec.key] = f"{marker_how}; {files_how} of {len(rec.files)}"
+    return problems, missing_bytes, total, proofs
 
 
 def evaluate(ev: Evidence) -> GateResult:
@@ -248,10 +333,18 @@ def evaluate(ev: Evidence) -> GateResult:
     problems, notes = _export_problems(ev, newest)
     evidence.extend(notes)
     missing_bytes = total = 0
+    proofs: dict[str, str] = {}
     if ev.blob is not None:
         evidence.append(f"Blob listed: {len(ev.blob)} blob(s) under the checkpoint prefix, sizes compared with each manifest")
-        bp, missing_bytes, total = _blob_problems(expected, ev.blob)
+        evidence.append(
+            "content: "
+            + ("every file downloaded and hashed (--verify-content)" if ev.content is not None else
+               "exporter xxh3 metadata where present"
+               + (", else lfs hsm_state (archived, not dirty/lost)" if ev.hsm is not None else "")
+               + (f"; HSM state not read: {ev.hsm_note}" if ev.hsm is None and ev.hsm_note else "")))
+        bp, missing_bytes, total, proofs = _blob_problems(expected, ev.blob, ev)
         problems.extend(bp)
+        evidence.extend(f"{key}: {how}" for key, how in proofs.items())
         keys = {r.key for r in expected}
         for path, why in ev.blob_bad_markers:
             key = path.rsplit("/", 1)[0]
@@ -272,4 +365,5 @@ def evaluate(ev: Evidence) -> GateResult:
         warnings=tuple(warnings),
         missing_bytes=missing_bytes,
         total_bytes=total,
+        proofs=proofs,
     )

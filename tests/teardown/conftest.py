@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 from azure.storage.blob import ContainerClient
 from tiered_ckpt import manifest as mf
 
@@ -22,6 +24,7 @@ from tests.doubles.fake_pulumi import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "tests" / "doubles" / "pulumi_bin"
+LFS = ROOT / "tests" / "doubles" / "bin" / "lfs"        # the fake lfs (HSM state in $FAKE_LFS_STATE)
 STACK = "prod"
 ACCOUNT = "tckptprodst7f3a"
 
@@ -66,6 +69,9 @@ class Env:
     journal_dir: Path
     project: Path
     events: list[str] = field(default_factory=list)
+    # Runs without --lustre-root prove content by downloading (AMLFS auto-export, like the
+    # archive hook here, writes no hash metadata); a test that wants no proof turns this off.
+    verify_content: bool = True
 
     # -- the fake pulumi ---------------------------------------------------------------------
     def stacks(self) -> dict[str, Any]:
@@ -105,19 +111,34 @@ class Env:
         self.arm.scenario.autoexport["lastSuccessfulIterationCompletionTimeUTC"] = iso(t)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def write_ckpt(self, epoch: int, step: int, files: dict[str, int] | None = None, model: str = "llama") -> Path:
+    def write_ckpt(self, epoch: int, step: int, files: dict[str, int] | None = None, model: str = "llama",
+                   fill: int | None = None) -> Path:
+        """A committed checkpoint as save() writes it: data files, then the marker with their hashes."""
         d = self.mount / "checkpoints" / model / f"global_epoch{epoch}_step{step}"
         d.mkdir(parents=True)
         entries = []
         for name, size in (files or {"rank0.bin": 4096, "rank1.bin": 3000}).items():
-            (d / name).write_bytes(bytes([step % 251]) * size)
-            entries.append(mf.FileEntry(name, size, None))
+            data = bytes([(step if fill is None else fill) % 251]) * size
+            (d / name).write_bytes(data)
+            entries.append(mf.FileEntry(name, size, xxhash.xxh3_128(data).hexdigest()))
         mf.write_marker(d, mf.Manifest(epoch=epoch, step=step, files=entries))
         return d
 
     def archive(self, ckpt: Path) -> None:
-        """What auto-export does: the checkpoint's files under the same relative path in Blob."""
+        """What auto-export does: the checkpoint's files under the same relative path in Blob, and
+        the HSM state of each file exported becomes exists + archived."""
         blob_archive_hook(self.conn, self.container, self.mount)("/" + ckpt.relative_to(self.mount).as_posix())
+        self.lfs("hsm_set", "--exists", "--archived", "--archive-id", "1", *(str(p) for p in sorted(ckpt.rglob("*"))
+                                                                             if p.is_file()))
+
+    def archive_hook(self) -> Any:
+        """scenario.archive_hook for a manual archive (HSM archive): upload, then mark archived."""
+        def hook(filesystem_path: str) -> None:
+            self.archive(self.mount / filesystem_path.lstrip("/"))
+        return hook
+
+    def lfs(self, *argv: str) -> None:
+        subprocess.run([str(LFS), *argv], check=True, capture_output=True)
 
     def blobs(self) -> dict[str, int]:
         cc = ContainerClient.from_connection_string(self.conn, self.container)
@@ -128,9 +149,10 @@ class Env:
 
     # -- run the script ----------------------------------------------------------------------
     def args(self, *extra: str) -> list[str]:
+        verify = ["--verify-content"] if self.verify_content and "--lustre-root" not in extra else []
         return ["--stack", STACK, "--arm-endpoint", self.arm.endpoint, "--connection-string", self.conn,
                 "--state-dir", str(self.journal_dir), "--project-dir", str(self.project),
-                "--wait-timeout", "2", "--poll-interval", "0", *extra]
+                "--wait-timeout", "2", "--poll-interval", "0", "--lfs", str(LFS), *verify, *extra]
 
     def run(self, *extra: str, stdin: str = "") -> Result:
         out, err = io.StringIO(), io.StringIO()
@@ -181,6 +203,9 @@ def env(arm_env: ArmDouble, azurite_container: tuple[str, str], tmp_path: Path,
     (state / "stacks.json").write_text(json.dumps({STACK: {"config": {}, "outputs_on": on, "outputs": on, "protected": True}}))
     monkeypatch.setenv("FAKE_PULUMI_STATE", str(state))
     monkeypatch.setenv("FAKE_PULUMI_PYTHON", sys.executable)
+    monkeypatch.setenv("FAKE_LFS_STATE", str(tmp_path / "lfs-state.json"))
+    monkeypatch.setenv("FAKE_LFS_PYTHON", sys.executable)
+    monkeypatch.delenv("FAKE_LFS_DEFAULT_FLAGS", raising=False)
     monkeypatch.setenv("PATH", f"{BIN}:{__import__('os').environ.get('PATH', '')}")
     project = tmp_path / "project"
     project.mkdir()

@@ -162,7 +162,13 @@ def test_blob_only_gate_waits_for_iterations_that_started_after_it_began(env: En
     assert [p["kind"] for p in r.json()["gate"]["problems"]] == ["export-stale"]
     assert "started after this teardown began" in r.json()["gate"]["problems"][0]["message"]
     assert env.mutating() == [] and env.arm_changes() == []
-    # With Lustre scanned, every committed checkpoint is named and proven in Blob: no wait.
+    # With Lustre scanned too: a checkpoint committed just before the teardown may not be exported
+    # yet, and only an iteration that started after the teardown began has walked it.
+    r = env.run("--yes", "--json", "--lustre-root", str(env.mount))
+    assert r.rc == 1
+    assert [p["kind"] for p in r.json()["gate"]["problems"]] == ["export-stale"]
+    assert env.mutating() == [] and env.arm_changes() == []
+    env.arm.scenario.iterate_on_get = True           # iterations resume: the wait ends
     r = env.run("--yes", "--lustre-root", str(env.mount))
     assert r.rc == 0, r.flat
 
@@ -273,12 +279,10 @@ def test_ordinary_confirmation_declined_changes_nothing(env: Env) -> None:
 
 
 def test_manual_export_archives_after_disabling_auto_export(env: Env) -> None:
-    from tests.doubles.arm_double import blob_archive_hook
-
     archived_ckpts(env, 1)
     d = env.write_ckpt(2, 30)                      # not exported; auto-export behind
     env.last_success(now() - timedelta(minutes=5))
-    env.arm.scenario.archive_hook = blob_archive_hook(env.conn, env.container, env.mount)
+    env.arm.scenario.archive_hook = env.archive_hook()
     r = env.run("--yes", "--manual-export", "--lustre-root", str(env.mount))
     assert r.rc == 0, r.err
     kinds = env.arm.kinds()
@@ -381,3 +385,107 @@ def test_runs_as_a_program_the_way_make_calls_it(env: Env) -> None:
     assert env.commands() == ["stack output", "config get", "config set", "up", "stack output"]
     assert env.calls()[2] == ["config", "set", "tiered:computeEnabled", "false", "--stack", STACK]
     assert env.calls()[3] == ["up", "--yes", "--stack", STACK]
+
+
+# ---------------------------------------------------------------------------------------------
+# Content, not size: a stale version or zeros of the same size in Blob never pass the gate
+
+
+def _stale_version_in_blob(env: Env) -> str:
+    """Blob holds an older save of step30 (same sizes, older marker); Lustre the re-save."""
+    archived_ckpts(env, 1)
+    d = env.write_ckpt(2, 30, fill=1)
+    env.archive(d)
+    old_marker = (d / "COMMITTED.json").read_bytes()
+    import shutil
+    import time
+
+    shutil.rmtree(d)
+    time.sleep(0.01)                                  # another mtime: the HSM sees new files
+    d = env.write_ckpt(2, 30, fill=2)                 # the same name saved again, other bytes
+    assert len((d / "COMMITTED.json").read_bytes()) == len(old_marker) != 0
+    assert (d / "COMMITTED.json").read_bytes() != old_marker
+    env.last_success(later())
+    return f"llama/{d.name}"
+
+
+def test_gate_refuses_a_stale_blob_version_of_the_same_size(env: Env) -> None:
+    key = _stale_version_in_blob(env)
+    for extra in ((), ("--verify-content",)):
+        r = env.run("--yes", "--json", "--lustre-root", str(env.mount), *extra)
+        assert r.rc == 1, r.err
+        problems = r.json()["gate"]["problems"]
+        kinds = {(p["kind"], p["file"]) for p in problems if p["checkpoint"] == key}
+        assert ("marker-differs", "COMMITTED.json") in kinds, problems
+        # Each shard: the HSM says the Lustre file changed since export / the bytes differ.
+        assert {k for k, f in kinds if f != "COMMITTED.json"} == ({"file-content"} if extra else {"not-archived"}), problems
+        assert "another save of this name" in r.json()["error"]
+        assert env.mutating() == [] and env.arm_changes() == [] and env.outputs()["amlfsName"] == "fs1"
+
+
+def _zeros_in_a_shard(env: Env) -> str:
+    archived_ckpts(env, 1)
+    d = env.write_ckpt(2, 30)
+    env.archive(d)
+    env.put_blob(f"checkpoints/llama/{d.name}/rank1.bin", bytes(3000))      # same size, zeros
+    env.last_success(later())
+    return f"llama/{d.name}"
+
+
+def test_gate_refuses_same_size_zeros_in_a_shard(env: Env) -> None:
+    key = _zeros_in_a_shard(env)
+    # Downloaded and hashed (without and with a Lustre scan): the bytes are not the manifest's.
+    for extra in ((), ("--lustre-root", str(env.mount), "--verify-content")):
+        r = env.run("--yes", "--json", *extra)
+        assert r.rc == 1, r.err
+        problems = r.json()["gate"]["problems"]
+        assert [(p["kind"], p["checkpoint"], p["file"]) for p in problems] == [("file-content", key, "rank1.bin")], problems
+        assert "other bytes of the same size" in problems[0]["message"]
+        assert env.mutating() == [] and env.arm_changes() == []
+    # Nothing proves content (no exporter metadata, no Lustre, no download): refuse, and say how to prove it.
+    env.verify_content = False
+    r = env.run("--yes", "--json")
+    assert r.rc == 1
+    problems = r.json()["gate"]["problems"]
+    assert {p["kind"] for p in problems} == {"content-unproven"}
+    assert "--verify-content" in problems[0]["message"]
+    assert env.mutating() == [] and env.arm_changes() == []
+
+
+def test_gate_says_which_content_proof_it_used_per_checkpoint(env: Env) -> None:
+    names = archived_ckpts(env, 2)
+    r = env.run("--dry-run", "--json", "--lustre-root", str(env.mount))
+    assert r.rc == 0, r.err
+    proofs = r.json()["gate"]["proofs"]
+    assert set(proofs) == set(names)
+    assert all("marker identical to Lustre's" in v and "2 file(s) by lfs hsm_state archived of 2" in v for v in proofs.values())
+    r = env.run("--dry-run", "--json")                   # blob only: downloaded
+    assert r.rc == 0, r.err
+    assert all("2 file(s) by downloaded content hash of 2" in v for v in r.json()["gate"]["proofs"].values())
+    assert "gate: PASS" in r.flat and "downloaded content hash" in r.flat
+
+
+def test_verify_content_hashes_each_blob_once_across_polls(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiered_ckpt.teardown as td
+
+    archived_ckpts(env, 2)
+    calls: list[str] = []
+    orig = td.download_hash
+
+    def counting(store, rel, *a, **k):  # noqa: ANN001,ANN002,ANN003,ANN202
+        calls.append(rel)
+        return orig(store, rel, *a, **k)
+
+    monkeypatch.setattr(td, "download_hash", counting)
+    r = env.run("--yes")                                # polls until two iterations, then the final re-check
+    assert r.rc == 0, r.err
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 4
+
+
+def test_an_unwritable_journal_is_one_clear_error(env: Env) -> None:
+    archived_ckpts(env, 1)
+    env.journal_dir.parent.mkdir(parents=True, exist_ok=True)
+    env.journal_dir.write_text("a file where the journal directory should be")
+    r = env.run("--yes")
+    assert r.rc in (1, 2) and "Traceback" not in r.err
+    assert str(env.journal_dir) in r.flat and env.mutating() == []

@@ -43,11 +43,21 @@ def test_bench_json_reports_rates_and_share_of_provisioned_bandwidth(capsys: pyt
     assert not d["kept"] and mf.scan(root, "m") == [], "without --keep the benchmark checkpoint is removed"
 
 
+def _into_model(out: str, model_dir: Path) -> None:
+    """Move a checkpoint bench kept (in its scratch directory) into the model's directory."""
+    kept = Path(json.loads(out)["path"])
+    model_dir.mkdir(exist_ok=True)
+    kept.rename(model_dir / kept.name)
+
+
 def test_bench_keep_then_list_and_verify(capsys: pytest.CaptureFixture[str], conf: Path, root: Path) -> None:
     c = ("--config", str(conf))
-    assert run(capsys, "bench", *c, "--size", "3MiB", "--keep", "--buffered", "--json")[0] == 0
+    rc, out, _ = run(capsys, "bench", *c, "--size", "3MiB", "--keep", "--buffered", "--json")
+    assert rc == 0
+    _into_model(out, root / "m")
     rc, out, _ = run(capsys, "bench", *c, "--size", "2MiB", "--keep", "--name", "global_epoch5_step50", "--json")
     assert rc == 0 and json.loads(out)["name"] == "global_epoch5_step50"
+    _into_model(out, root / "m")
     (root / "m" / "global_epoch6_step1").mkdir()                 # a save in progress
     rc, out, _ = run(capsys, "list", *c, "--json")
     rows = {r["name"]: r for r in json.loads(out)["checkpoints"]}
@@ -72,11 +82,14 @@ def test_bench_keep_then_list_and_verify(capsys: pytest.CaptureFixture[str], con
     assert rc == 1 and "does not exist" in err
 
 
-def test_bench_refuses_a_committed_name(capsys: pytest.CaptureFixture[str], conf: Path) -> None:
+def test_bench_keep_runs_never_collide(capsys: pytest.CaptureFixture[str], conf: Path, root: Path) -> None:
+    # Each run has its own scratch directory: a kept name never meets another run's or a model's.
     c = ("--config", str(conf))
-    assert run(capsys, "bench", *c, "--size", "1MiB", "--keep", "--name", "global_epoch1_step1", "--json")[0] == 0
-    rc, out, _ = run(capsys, "bench", *c, "--size", "1MiB", "--keep", "--name", "global_epoch1_step1", "--json")
-    assert rc == 4 and "never overwritten" in json.loads(out)["error"]
+    rc, out1, _ = run(capsys, "bench", *c, "--size", "1MiB", "--keep", "--name", "global_epoch1_step1", "--json")
+    assert rc == 0
+    rc, out2, _ = run(capsys, "bench", *c, "--size", "1MiB", "--keep", "--name", "global_epoch1_step1", "--json")
+    assert rc == 0 and json.loads(out1)["path"] != json.loads(out2)["path"]
+    assert mf.scan(root, "m") == []
 
 
 @pytest.mark.parametrize("argv, needle", [
