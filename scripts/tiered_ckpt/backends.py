@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import errno
 import os
 import posixpath
 import re
@@ -93,33 +92,11 @@ _TEMP = re.compile(r"^\..+\.restoring$")
 
 
 def ensure_dir(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> int:
-    """A descriptor of directory `path` under `root`, creating missing components (0755).
+    """A descriptor of directory `path` under `root`, creating missing components (fsafe.DIR_MODE).
 
     No component below the root may be a symlink (fsafe.UnsafePath otherwise).
     """
-    r, p = Path(root), Path(path)
-    parts = p.relative_to(r).parts
-    fd = os.open(r, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for i, part in enumerate(parts):
-            try:
-                os.mkdir(part, 0o755, dir_fd=fd)
-            except FileExistsError:
-                pass
-            try:
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise fsafe.UnsafePath(
-                        errno.ELOOP, "a symbolic link or a file where a directory was expected, refused (never followed)",
-                        str(r.joinpath(*parts[: i + 1]))) from None
-                raise
-            os.close(fd)
-            fd = nfd
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return fsafe.make_dirs(path, anchor=root)
 
 
 def hash_fd(fd: int, chunk: int = 8 << 20) -> str:

@@ -30,6 +30,16 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _WRITE_MASK = os.O_WRONLY | os.O_RDWR | os.O_TRUNC
 
 
+# Modes of what the toolkit creates in the tree, always set explicitly (fchmod), so that the process
+# umask (000 is common in containers) never decides. Directories are group-writable and setgid:
+# the training users and the retention service user share the tree's group (the node bootstrap
+# makes the root 2775, group tiered-ckpt), and every new entry keeps that group. Nothing is
+# world-writable. Lock files are opened read-write by every actor, so they are group-writable too.
+DIR_MODE = 0o2775
+FILE_MODE = 0o644
+LOCK_MODE = 0o664
+
+
 class UnsafePath(OSError):
     """A path in the checkpoint tree is a symlink, a FIFO, a device, a hard link or outside the tree."""
 
@@ -98,6 +108,46 @@ def open_dir(path: str | os.PathLike[str], *, anchor: str | os.PathLike[str] | N
         return os.open(p, _DIR_FLAGS)
     base, parts = _components(p, a)
     return _open_dirs(base, parts, p)
+
+
+def make_dirs(path: str | os.PathLike[str], *, anchor: str | os.PathLike[str]) -> int:
+    """A descriptor of directory `path`, creating missing components below `anchor` (DIR_MODE).
+
+    No component below the anchor may be a symlink or a non-directory (UnsafePath otherwise).
+    """
+    p, a = Path(path), Path(anchor)
+    _, parts = _components(p, a)
+    fd = os.open(a, _DIR_FLAGS)
+    try:
+        for i, part in enumerate(parts):
+            created = False
+            try:
+                os.mkdir(part, DIR_MODE, dir_fd=fd)
+                created = True
+            except FileExistsError:
+                pass
+            nfd = _open_dirs_at(fd, part, a.joinpath(*parts[: i + 1]))
+            os.close(fd)
+            fd = nfd
+            if created:
+                os.fchmod(fd, DIR_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_dirs_at(fd: int, part: str, full: Path) -> int:
+    try:
+        return os.open(part, _DIR_FLAGS | _NOFOLLOW, dir_fd=fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            try:
+                what = _kind(os.lstat(part, dir_fd=fd).st_mode)
+            except OSError:
+                what = "not a directory"
+            raise _refuse(full, f"{what} where a directory was expected") from None
+        raise
 
 
 def is_real_dir(path: str | os.PathLike[str]) -> bool:

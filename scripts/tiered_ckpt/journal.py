@@ -45,8 +45,7 @@ def forget(root: str | os.PathLike[str], model: str, name: str) -> None:
 def add(root: str | os.PathLike[str], model: str, name: str) -> Path:
     """Record that `name` is about to be deleted (fsynced before the marker goes)."""
     d = journal_dir(root, model)
-    if not fsafe.is_real_dir(d):
-        os.mkdir(d, 0o755)
+    os.close(fsafe.make_dirs(d, anchor=root))
     p = entry_path(root, model, name)
     fsafe.write_file(p, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()).encode(), anchor=root)
     fsync_dir(d)
@@ -65,11 +64,7 @@ def restored_dir(root: str | os.PathLike[str], model: str) -> Path:
 
 def note_restored(root: str | os.PathLike[str], model: str, name: str) -> None:
     d = restored_dir(root, model)
-    if not fsafe.is_real_dir(d):
-        try:
-            os.mkdir(d, 0o755)
-        except FileExistsError:
-            pass           # a non-directory planted there: the write below refuses it
+    os.close(fsafe.make_dirs(d, anchor=root))   # a symlink or file planted there is refused
     fsafe.write_file(d / name, datetime.now(timezone.utc).isoformat().encode(), anchor=root)
     fsync_dir(d)
 

@@ -49,21 +49,20 @@ def _holder(fd: int) -> str:
 def _open_lock(p: Path, anchor: Path | None) -> int:
     try:
         if anchor is not None:
-            d = anchor
-            for part in p.parent.relative_to(anchor).parts:
-                d = d / part
-                try:
-                    os.mkdir(d, 0o755)
-                except FileExistsError:
-                    pass
+            os.close(fsafe.make_dirs(p.parent, anchor=anchor))
         else:
             p.parent.mkdir(parents=True, exist_ok=True)
-        return fsafe.open_file(p, os.O_RDWR | os.O_CREAT, 0o644, anchor=anchor)
+        try:
+            fd = fsafe.open_file(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, fsafe.LOCK_MODE, anchor=anchor)
+        except FileExistsError:
+            return fsafe.open_file(p, os.O_RDWR, anchor=anchor)
+        os.fchmod(fd, fsafe.LOCK_MODE)   # ours: every actor opens it read-write (fsafe.LOCK_MODE)
+        return fd
     except fsafe.UnsafePath as e:
         raise UserError(f"lock file {p}: {e.strerror}; remove it (someone planted it there) and re-run", exit_code=4) from None
     except OSError as e:
-        raise UserError(f"cannot create the lock file {p}: {e.strerror}; check the permissions of {p.parent}",
-                        exit_code=3) from None
+        raise UserError(f"cannot create or open the lock file {p}: {e.strerror}; check the permissions of {p.parent} "
+                        "(the training users and the retention service share its group)", exit_code=2) from None
 
 
 def _flock(fd: int, p: Path, wait: float | None) -> bool:

@@ -329,15 +329,18 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_marker(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> Path:
+def write_marker(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, dir_fd: int | None = None) -> Path:
     """Create the commit marker under its final name. Data files must already be fsynced.
 
     Refuses to overwrite an existing marker: a committed checkpoint is never rewritten.
+    `dir_fd`: the checkpoint directory already opened (and verified) by the caller; the marker is
+    created relative to it, so a directory swapped for a symlink meanwhile cannot redirect it.
     """
     path = Path(ckpt_dir) / MARKER
     data = manifest.to_json()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(MARKER, flags, 0o644, dir_fd=dir_fd) if dir_fd is not None else os.open(path, flags, 0o644)
     except FileExistsError:
         raise ConflictError(
             f"{path} already exists: checkpoint {manifest.name} is already committed; "
@@ -351,7 +354,10 @@ def write_marker(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> Path:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(ckpt_dir)
+    if dir_fd is not None:
+        os.fsync(dir_fd)
+    else:
+        fsync_dir(ckpt_dir)
     return path
 
 

@@ -50,11 +50,11 @@ def _dir_fd(root: str | os.PathLike[str], model: str, create: bool) -> int | Non
     mfd = fsafe.open_dir(d.parent, anchor=root)
     try:
         try:
-            os.mkdir(TOMBSTONES, 0o755, dir_fd=mfd)
+            os.mkdir(TOMBSTONES, fsafe.DIR_MODE, dir_fd=mfd)
         except FileExistsError:
             pass
         fd = fsafe.open_dir(d, anchor=root)
-        os.fchmod(fd, 0o755)      # explicit: a umask of 000 must not make it world-writable
+        os.fchmod(fd, fsafe.DIR_MODE)      # explicit: the umask must not decide (fsafe.DIR_MODE)
         os.fsync(mfd)
         return fd
     finally:

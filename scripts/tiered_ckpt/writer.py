@@ -488,14 +488,14 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLL
 
 
 def _open_subdir(parent_fd: int, name: str, path: Path, create: bool) -> tuple[int, bool]:
-    """(fd, created) of the real directory `name` in `parent_fd`, made 0755 if `create` and missing.
+    """(fd, created) of the real directory `name` in `parent_fd`, made fsafe.DIR_MODE if `create` and missing.
 
     A symlink (or anything not a directory) there is refused, never followed. The new entry is
     made durable by the commit (it fsyncs the model directory and the root before the marker)."""
     created = False
     if create:
         try:
-            os.mkdir(name, 0o755, dir_fd=parent_fd)
+            os.mkdir(name, fsafe.DIR_MODE, dir_fd=parent_fd)
             created = True
         except FileExistsError:
             pass
@@ -513,7 +513,7 @@ def _open_subdir(parent_fd: int, name: str, path: Path, create: bool) -> tuple[i
         raise
     if created:
         try:
-            os.fchmod(fd, 0o755)   # explicit: a umask of 000 must not yield a world-writable directory
+            os.fchmod(fd, fsafe.DIR_MODE)   # explicit: the umask must not decide (fsafe.DIR_MODE says why)
         except BaseException:
             os.close(fd)
             raise
@@ -987,7 +987,7 @@ class Save:
         # a power loss must not keep the marker and lose the directory holding it.
         self._sync_parents()
         self._marker_attempted = True
-        mf.write_marker(self.dir, m)
+        mf.write_marker(self.dir, m, dir_fd=self.dfd)
 
     def _sync_parents(self) -> None:
         mfd = fsafe.open_dir(self.mdir, anchor=self.root)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -135,9 +136,9 @@ def test_async_with_large_staging_returns_before_commit(cfg: NodeConfig, root: P
     gate = threading.Event()
     real_write_marker = writer.mf.write_marker
 
-    def slow_marker(d: Path, m: mf.Manifest) -> Path:
+    def slow_marker(d: Path, m: mf.Manifest, **kw: Any) -> Path:
         gate.wait(30)
-        return real_write_marker(d, m)
+        return real_write_marker(d, m, **kw)
 
     monkeypatch.setattr(writer.mf, "write_marker", slow_marker)
     h = tc.async_save({"a": os.urandom(3 << 20)}, epoch=0, step=1, config=cfg, staging_bytes=8 << 20)

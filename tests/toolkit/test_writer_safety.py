@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -238,7 +239,7 @@ def test_modes_are_explicit_even_with_umask_000(cfg: NodeConfig, root: Path) -> 
     finally:
         os.umask(old)
     d = Path(r.path)
-    assert stat.S_IMODE(d.stat().st_mode) == 0o755 and stat.S_IMODE(d.parent.stat().st_mode) == 0o755
+    assert stat.S_IMODE(d.stat().st_mode) == 0o2775 and stat.S_IMODE(d.parent.stat().st_mode) == 0o2775
     for p in d.iterdir():
         assert stat.S_IMODE(p.stat().st_mode) == 0o644, p
 
@@ -252,9 +253,9 @@ def test_the_new_directories_are_fsynced_before_the_marker(cfg: NodeConfig, root
         synced.append(os.fstat(fd).st_ino)
         real_fsync(fd)
 
-    def write_marker(d: Path, m: mf.Manifest) -> Path:
+    def write_marker(d: Path, m: mf.Manifest, **kw: Any) -> Path:
         marker_at.append(len(synced))
-        return real_marker(d, m)
+        return real_marker(d, m, **kw)
 
     monkeypatch.setattr(writer.os, "fsync", fsync)
     monkeypatch.setattr(writer.mf, "write_marker", write_marker)
@@ -307,7 +308,7 @@ def test_every_failure_releases_the_claim(cfg: NodeConfig, root: Path, monkeypat
         h = tc.async_save({"a": os.urandom(1 << 20)}, epoch=0, step=2, config=cfg, staging_bytes=4 << 20)
         assert isinstance(h.exception(timeout=30), UserError)
     with monkeypatch.context() as mp:
-        mp.setattr(writer.mf, "write_marker", lambda d, m: (_ for _ in ()).throw(RuntimeError("boom")))
+        mp.setattr(writer.mf, "write_marker", lambda d, m, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
         with pytest.raises(UserError, match="RuntimeError\\('boom'\\)"):
             tc.save({"a": b"x" * 100}, epoch=0, step=3, config=cfg)
     for step in (1, 2, 3):
