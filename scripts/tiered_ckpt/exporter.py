@@ -43,6 +43,7 @@ from . import fsafe
 from .blobstore import META_HASH, META_MTIME, META_SIZE, BlobInfo, BlobStore
 from .config import NodeConfig
 from .errors import UserError
+from .redact import redact
 
 
 def _now() -> str:
@@ -259,7 +260,7 @@ class Exporter:
             s.last_successful_iteration_utc = it.completed_utc
         d = asdict(it)
         d["exported"] = d["exported"][:100]
-        d["errors"] = d["errors"][:20]
+        d["errors"] = [redact(e) for e in d["errors"][:20]]   # the status file may be read by anyone
         s.last_iteration = d
         self.status_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.status_path.with_name(self.status_path.name + f".{os.getpid()}.tmp")

@@ -12,6 +12,8 @@ checkpoint whose marker is not archived could not be found again), must be prove
 """
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -61,7 +63,8 @@ def _expected(info: CheckpointInfo) -> list[tuple[str, int, str | None]]:
     out: list[tuple[str, int, str | None]] = [(base + f.path, f.size, f.hash) for f in info.manifest.files]
     marker = info.path / MARKER
     try:
-        size = marker.stat().st_size
+        st = os.lstat(marker)       # lstat: a symlink planted there is not the marker
+        size = st.st_size if stat.S_ISREG(st.st_mode) else -1
     except FileNotFoundError:       # deleted since the scan (status runs without the lock)
         size = -1
     out.append((str(marker), size, None))

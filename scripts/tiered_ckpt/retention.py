@@ -91,6 +91,7 @@ class Candidate:
     bytes: int = 0
     journaled: bool = False       # a killed apply was deleting it
     restored_utc: datetime | None = None   # when `restore` last brought it back (or checked it)
+    why_not: str | None = None    # not committed because its marker is invalid / files do not match
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ def decide(candidates: Sequence[Candidate], policy: Policy, now: datetime) -> li
             if c.journaled:
                 out.append(Decision(c.name, RESUME, ("an earlier apply was deleting it (marker already removed); finishing",), c.bytes))
             else:
-                out.append(Decision(c.name, SKIP, ("not committed (in flight or incomplete): never touched",), c.bytes))
+                why = f"{c.why_not}: never touched" if c.why_not else "not committed (in flight or incomplete): never touched"
+                out.append(Decision(c.name, SKIP, (why,), c.bytes))
             continue
         i = rank[c.name]
         guards: list[str] = []
@@ -225,6 +227,7 @@ def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, Checkp
             bytes=c.manifest.total_bytes if c.manifest else _dir_bytes(c.path),
             journaled=c.name in pending and not c.committed,
             restored_utc=(restored or {}).get(c.name),
+            why_not=c.why_not_committed,
         ))
     return out
 
