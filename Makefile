@@ -49,16 +49,16 @@ unit: install
 test: install lint unit
 
 demo: $(STAMP) $(AZURITE)
-	$(BIN)/tiered-ckpt demo
+	$(BIN)/python -m tiered_demo
 
 bench: install
 	$(BIN)/python -m benchmarks
 
 plan: $(STAMP)
-	$(BIN)/python scripts/plan.py --stack $(STACK)
+	$(BIN)/python -m tiered_ops.preview --stack $(STACK)
 
 teardown: $(STAMP)
-	$(BIN)/python scripts/teardown.py --stack $(STACK) $(ARGS)
+	$(BIN)/python -m tiered_ops.teardown_cli --stack $(STACK) $(ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo .bench

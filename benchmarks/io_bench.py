@@ -61,7 +61,7 @@ def _ours(directory: Path, conf: Path, size: int, jobs: int, block: int, hash_on
 ASYNC = r"""
 import json, mmap, sys, time
 import tiered_ckpt as tc
-from tiered_ckpt import manifest as mf
+from tiered_ckpt.io import commit as mf
 from tiered_ckpt.config import IoConfig, NodeConfig
 root, size, jobs, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = NodeConfig(root=root, model="async", io=IoConfig(threads=jobs, files_per_rank=jobs, block_size=block,
@@ -87,7 +87,7 @@ for r in range(int(sys.argv[5])):
 # The floor of any snapshot: copying the same bytes into the (warm) staging area with the
 # same GIL-free memmove and as many threads as the writer's copy threads, no I/O at all.
 import ctypes, os, threading
-from tiered_ckpt import staging
+from tiered_ckpt.io import pools as staging
 pool = staging.pool("staging", size, block)
 src = ctypes.addressof(ctypes.c_char.from_buffer(buf))
 k = max(1, min(os.cpu_count() or 1, 8))
@@ -108,7 +108,7 @@ print(json.dumps(res))
 MEMORY = r"""
 import json, mmap, resource, sys, time
 import tiered_ckpt as tc
-from tiered_ckpt import manifest as mf
+from tiered_ckpt.io import commit as mf
 from tiered_ckpt.config import IoConfig, NodeConfig
 root, size, jobs, block, syncbuf = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 cfg = NodeConfig(root=root, model="memory", io=IoConfig(threads=jobs, files_per_rank=jobs, block_size=block,

@@ -4,7 +4,7 @@
    which costs a fixed time per process: counts lfs processes (must be <= ceil(N/batch)) and
    times the proof. For contrast, the same proof with one lfs process per file is timed on
    a small sample.
-2. Local restore (tiered_ckpt.restore with the local back-end) against a plain parallel
+2. Local restore (tiered_ckpt.lifecycle.restore with the local back-end) against a plain parallel
    download of the same blobs with azure-storage-blob, both against a private Azurite
    started here. Reports both rates and their ratio (goal: >= 0.8).
 
@@ -24,16 +24,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from azure.storage.blob import ContainerClient
-from tiered_ckpt import manifest as mf
-from tiered_ckpt.azurite import Azurite
-from tiered_ckpt.backends import AmlfsBackend, LocalBackend
-from tiered_ckpt.blobstore import BlobStore
+
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig
-from tiered_ckpt.exporter import Exporter
-from tiered_ckpt.hashing import new_hasher
-from tiered_ckpt.hsm import Lfs
-from tiered_ckpt.proof import prove
-from tiered_ckpt.restore import restore
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.lifecycle.exporter import Exporter
+from tiered_ckpt.lifecycle.proof import prove
+from tiered_ckpt.lifecycle.restore import restore
+from tiered_ckpt.tiers.backends import AmlfsBackend, LocalBackend
+from tiered_ckpt.tiers.blob import BlobStore
+from tiered_ckpt.tiers.hsm import Lfs
+from tiered_demo.azurite import Azurite
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_LFS = REPO / "tests" / "doubles" / "bin" / "lfs"

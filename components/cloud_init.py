@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig, dump, validate
 
 CUSTOM_DATA_LIMIT = 65535   # bytes of decoded custom data Azure accepts
@@ -70,15 +71,17 @@ class NodeInputs:
 
 
 def build_toolkit(repo_root: Path, out_dir: Path) -> Toolkit:
-    """A deterministic tar.gz of pyproject.toml + scripts/tiered_ckpt (same input -> same bytes -> same hash).
+    """A deterministic tar.gz of pyproject.toml + src/tiered_ckpt (same input -> same bytes -> same hash).
+
+    Only the node toolkit: the operator (tiered_ops) and demo (tiered_demo) packages never reach a node.
 
     pip installs it on the node with the dependency pins of pyproject.toml, the one place they live.
     """
     members: list[tuple[str, Path]] = [("pyproject.toml", repo_root / "pyproject.toml")]
-    pkg = repo_root / "scripts" / "tiered_ckpt"
+    pkg = repo_root / "src" / "tiered_ckpt"
     for p in sorted(pkg.rglob("*")):
         if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".typed", ".yaml", ".json", ".txt"):
-            members.append((f"scripts/tiered_ckpt/{p.relative_to(pkg).as_posix()}", p))
+            members.append((f"src/tiered_ckpt/{p.relative_to(pkg).as_posix()}", p))
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name, path in members:

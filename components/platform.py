@@ -51,7 +51,7 @@ class StackOutputs(TypedDict):
 @dataclass
 class PlatformArgs:
     settings: Settings
-    repo_root: Path            # where scripts/tiered_ckpt lives (the toolkit shipped to the nodes)
+    repo_root: Path            # where src/tiered_ckpt lives (the toolkit shipped to the nodes)
     build_dir: Path            # where the toolkit tarball is written
 
 

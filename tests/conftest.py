@@ -5,7 +5,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from tiered_ckpt.azurite import Azurite
+
+from tiered_demo.azurite import Azurite
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The AMLFS ARM layer (tiered_ckpt.arm) with the real azure-mgmt-storagecache client against the
+"""The AMLFS ARM layer (tiered_ckpt.tiers.arm) with the real azure-mgmt-storagecache client against the
 local ARM double (tests/doubles/arm_double.py)."""
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import socket
 from datetime import datetime, timezone
 
 import pytest
-from tiered_ckpt.arm import (
+
+from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig
+from tiered_ckpt.errors import ConfigError, ConflictError, IntegrityError, UnavailableError
+from tiered_ckpt.tiers.arm import (
     AmlfsJobs,
     AmlfsTarget,
     ArmNotFoundError,
@@ -16,8 +19,6 @@ from tiered_ckpt.arm import (
     AutoExportReenableError,
     ImportJobError,
 )
-from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig
-from tiered_ckpt.errors import ConfigError, ConflictError, IntegrityError, UnavailableError
 
 PREFIX = "/checkpoints/llama/global_epoch1_step100"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from azure.storage.blob import ContainerClient
-from tiered_ckpt.arm import ImportJobError
 
 from tests.doubles.arm_double import blob_archive_hook, blob_import_hook
+from tiered_ckpt.tiers.arm import ImportJobError
 
 CKPT = "checkpoints/llama/global_epoch1_step100"
 

@@ -11,14 +11,17 @@ import time
 from pathlib import Path
 
 import pytest
-from tiered_ckpt.demo import DemoOptions, run
+
 from tiered_ckpt.errors import ConflictError
+from tiered_demo.demo import DemoOptions, run
 
 SMALL = dict(checkpoints=4, size=4 << 20, interval=0.4)
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tiered_ckpt", *args], cwd=cwd, capture_output=True, text=True, timeout=240)
+    """`python -m tiered_demo ARGS` (what `make demo` runs); a leading "demo" is the command's name."""
+    rest = list(args[1:]) if args and args[0] == "demo" else list(args)
+    return subprocess.run([sys.executable, "-m", "tiered_demo", *rest], cwd=cwd, capture_output=True, text=True, timeout=240)
 
 
 def procs_mentioning(text: str) -> list[int]:
@@ -104,7 +107,7 @@ def test_taken_azurite_port_is_replaced(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_interrupted_demo_cleans_up_and_leaves_no_processes(tmp_path: Path) -> None:
     work = tmp_path / "d"
-    proc = subprocess.Popen([sys.executable, "-m", "tiered_ckpt", "demo", "--dir", str(work), "--checkpoints", "50",
+    proc = subprocess.Popen([sys.executable, "-m", "tiered_demo", "--dir", str(work), "--checkpoints", "50",
                              "--size", "2MiB", "--interval", "0.5s"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None

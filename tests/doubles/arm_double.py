@@ -264,7 +264,7 @@ class ArmDouble:
 
     def target(self, **overrides: Any) -> Any:
         """An AmlfsTarget pointing at this double (override names to aim at missing resources)."""
-        from tiered_ckpt.arm import AmlfsTarget
+        from tiered_ckpt.tiers.arm import AmlfsTarget
 
         values: dict[str, Any] = {
             "subscription_id": self.subscription_id,

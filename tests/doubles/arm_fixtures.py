@@ -8,7 +8,7 @@
 
     def test_cli(arm_env, tmp_path):            # code that builds AmlfsJobs from a NodeConfig
         cfg = {"amlfs": arm_env.config_values(), ...}   # arm_endpoint etc.; credential, TLS trust,
-        ...                                              # polls and retries are patched in tiered_ckpt.arm
+        ...                                              # polls and retries are patched in tiered_ckpt.tiers.arm
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def arm_double(arm_tls: tuple[Path, Path]) -> Iterator[ArmDouble]:
 def arm_jobs(arm_double: ArmDouble) -> Callable[..., Any]:
     """Factory: arm_jobs(target=None, **AmlfsJobs kwargs) -> AmlfsJobs against the double with the
     real client, a static token, 10 ms polls, a 10 s timeout and short retries."""
-    from tiered_ckpt.arm import AmlfsJobs
+    from tiered_ckpt.tiers.arm import AmlfsJobs
 
     def make(target: Any = None, **kwargs: Any) -> AmlfsJobs:
         options = dict(FAST_CLIENT, connection_verify=str(arm_double.ca_cert))
@@ -58,10 +58,10 @@ def arm_jobs(arm_double: ArmDouble) -> Callable[..., Any]:
 
 @pytest.fixture
 def arm_env(arm_double: ArmDouble, monkeypatch: pytest.MonkeyPatch) -> ArmDouble:
-    """The double, with tiered_ckpt.arm's defaults patched so that code building AmlfsJobs from a
+    """The double, with tiered_ckpt.tiers.arm's defaults patched so that code building AmlfsJobs from a
     NodeConfig (amlfs.arm_endpoint = arm_env.endpoint) reaches it: static token, trust in the
     double's certificate, 10 ms polls, short retries."""
-    import tiered_ckpt.arm as arm
+    import tiered_ckpt.tiers.arm as arm
 
     monkeypatch.setattr(arm, "default_credential", lambda target: StaticTokenCredential())
     monkeypatch.setattr(arm, "CLIENT_DEFAULTS", dict(FAST_CLIENT, connection_verify=str(arm_double.ca_cert)))

@@ -1,11 +1,11 @@
-"""Helpers for the infrastructure tests: run the real program under Pulumi mocks (components.mockrun)."""
+"""Helpers for the infrastructure tests: run the real program under Pulumi mocks (tiered_ops.mockrun)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import pytest
 
-from components import mockrun
+from tiered_ops import mockrun
 
 # A well-formed OpenSSH public key (the private half was never kept); public keys are not secrets.
 SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB3q0iP7c4k5o4S8m6Yt2m1pVdQ3xY9kq7f1mZl0aB2c ops@example"

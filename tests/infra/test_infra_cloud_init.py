@@ -6,14 +6,16 @@ import hashlib
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 import yaml
-from tiered_ckpt import config as node_config
 
-from components import cloud_init, mockrun
+from components import cloud_init
+from tiered_ckpt import config as node_config
+from tiered_ops import mockrun
 
 from .conftest import Plan
 
@@ -128,9 +130,29 @@ def test_toolkit_tarball_is_deterministic_and_installable(tmp_path: Path) -> Non
     assert a.blob_name == f"tiered-ckpt-{a.sha256[:16]}.tar.gz"
     with tarfile.open(a.path) as tar:
         names = tar.getnames()
-        assert "pyproject.toml" in names and "scripts/tiered_ckpt/cli.py" in names and "scripts/tiered_ckpt/config.py" in names
+        assert "pyproject.toml" in names and "src/tiered_ckpt/cli/app.py" in names and "src/tiered_ckpt/config.py" in names
         assert not any("__pycache__" in n for n in names)
         assert all(m.mtime == 0 and m.uid == 0 for m in tar.getmembers())
+        # Exactly the node toolkit: no operator (teardown, preview, Pulumi driver) or demo module.
+        assert all(n == "pyproject.toml" or n.startswith("src/tiered_ckpt/") for n in names), names
+        assert not any(k in n for n in names for k in ("tiered_ops", "tiered_demo", "teardown", "azurite", "timeline"))
+
+
+@pytest.mark.timeout(600)
+def test_a_node_venv_from_the_tarball_runs_the_toolkit_without_the_demo_libraries(tmp_path: Path) -> None:
+    """What cloud-init does on a node: a fresh venv, `pip install <tarball>` (the pins of pyproject.toml)."""
+    t = cloud_init.build_toolkit(ROOT, tmp_path / "t")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(t.path)], capture_output=True, text=True, timeout=540)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    py = str(venv / "bin" / "python")
+    for absent in ("numpy", "matplotlib", "tiered_ops", "tiered_demo", "components"):
+        r = subprocess.run([py, "-c", f"import {absent}"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, absent
+    r = subprocess.run([str(venv / "bin" / "tiered-ckpt"), "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert r.returncode == 0 and "retention" in r.stdout and "restore" in r.stdout, r.stderr
+    assert "demo" not in r.stdout.split("positional arguments")[-1].split("options")[0]
 
 
 def test_lustre_client_fallback_picks_the_newest_client_built_for_the_running_kernel(plan: Plan, tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from components import mockrun
+from tiered_ops import mockrun
 
 from .conftest import Plan
 

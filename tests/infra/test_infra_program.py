@@ -5,9 +5,9 @@ import base64
 
 import pytest
 
-from components import mockrun
 from components.cluster import NODE_ACTIONS
 from components.core_storage import STORAGE_ACCOUNT_CONTRIBUTOR, STORAGE_BLOB_DATA_CONTRIBUTOR, STORAGE_BLOB_DATA_READER
+from tiered_ops import mockrun
 
 from .conftest import SSH_KEY, Plan
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components import mockrun, settings
-from components.mockrun import stack_config
+from components import settings
+from tiered_ops import mockrun
+from tiered_ops.mockrun import stack_config
 
 from .conftest import SSH_KEY, Plan
 
@@ -126,11 +127,11 @@ def test_program_refuses_bad_config_before_registering_anything(plan: Plan) -> N
 @pytest.mark.timeout(90)
 def test_plan_script_prints_one_line_and_exits_2_without_traceback() -> None:
     env = {**os.environ, "COLUMNS": "300"}
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "--stack", "prod", "--set", "vmSize=Standard_D4s_v5"],
+    r = subprocess.run([sys.executable, "-m", "tiered_ops.preview", "--stack", "prod", "--set", "vmSize=Standard_D4s_v5"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=80)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr + r.stdout
     assert "tiered:vmSize: 'Standard_D4s_v5' is not an ND-series size" in " ".join(r.stderr.split())
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan.py"), "--stack", "nope"],
+    r = subprocess.run([sys.executable, "-m", "tiered_ops.preview", "--stack", "nope"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=80)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "use one of dev, prod" in " ".join(r.stderr.split())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from components import settings, sizing, subnets
-from components.mockrun import stack_config
+from tiered_ops.mockrun import stack_config
 
 from .conftest import SSH_KEY
 

@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tiered_ckpt import manifest as mf
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig
-from tiered_ckpt.hashing import new_hasher
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.hashing import new_hasher
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_LFS = REPO / "tests" / "doubles" / "bin" / "lfs"

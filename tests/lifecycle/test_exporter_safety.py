@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 from azure.storage.blob import ContainerClient
-from tiered_ckpt import manifest as mf
-from tiered_ckpt.blobstore import BlobStore
-from tiered_ckpt.config import dump
-from tiered_ckpt.exporter import Exporter
 
 from tests.lifecycle.helpers import local_cfg, make_checkpoint
+from tiered_ckpt.config import dump
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.lifecycle.exporter import Exporter
+from tiered_ckpt.tiers.blob import BlobStore
 
 pytestmark = pytest.mark.timeout(120)
 

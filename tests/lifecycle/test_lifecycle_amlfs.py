@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 from azure.storage.blob import ContainerClient
-from tiered_ckpt import cli
-from tiered_ckpt import manifest as mf
-from tiered_ckpt import retention as ret
-from tiered_ckpt.backends import AmlfsBackend
-from tiered_ckpt.blobstore import BlobStore
-from tiered_ckpt.config import dump
-from tiered_ckpt.errors import UnavailableError
-from tiered_ckpt.hsm import Lfs
-from tiered_ckpt.proof import prove
-from tiered_ckpt.restore import restore
-from tiered_ckpt.status import gather
 
 from tests.lifecycle.helpers import FAKE_LFS, amlfs_cfg, lfs_calls, make_checkpoint
+from tiered_ckpt.cli import app as cli
+from tiered_ckpt.config import dump
+from tiered_ckpt.errors import UnavailableError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.lifecycle import retention as ret
+from tiered_ckpt.lifecycle.proof import prove
+from tiered_ckpt.lifecycle.restore import restore
+from tiered_ckpt.lifecycle.status import gather
+from tiered_ckpt.tiers.backends import AmlfsBackend
+from tiered_ckpt.tiers.blob import BlobStore
+from tiered_ckpt.tiers.hsm import Lfs
 
 
 def auto_export(root: str, store: BlobStore | None) -> None:

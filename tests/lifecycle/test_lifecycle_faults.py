@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 from azure.storage.blob import BlobServiceClient
-from tiered_ckpt import manifest as mf
-from tiered_ckpt import retention as ret
-from tiered_ckpt.azurite import Azurite
-from tiered_ckpt.backends import LocalBackend
-from tiered_ckpt.blobstore import BlobStore
-from tiered_ckpt.errors import UnavailableError
-from tiered_ckpt.exporter import Exporter
-from tiered_ckpt.restore import restore
 
 from tests.lifecycle.helpers import local_cfg, make_checkpoint
+from tiered_ckpt.errors import UnavailableError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.lifecycle import retention as ret
+from tiered_ckpt.lifecycle.exporter import Exporter
+from tiered_ckpt.lifecycle.restore import restore
+from tiered_ckpt.tiers.backends import LocalBackend
+from tiered_ckpt.tiers.blob import BlobStore
+from tiered_demo.azurite import Azurite
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tiered_ckpt.errors import UnavailableError
-from tiered_ckpt.hsm import ARCHIVED, DIRTY, EXISTS, RELEASED, Lfs, parse_batch, parse_line
 
 from tests.lifecycle.helpers import FAKE_LFS, lfs_calls
+from tiered_ckpt.errors import UnavailableError
+from tiered_ckpt.tiers.hsm import ARCHIVED, DIRTY, EXISTS, RELEASED, Lfs, parse_batch, parse_line
 
 
 @pytest.mark.parametrize(

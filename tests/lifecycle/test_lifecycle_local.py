@@ -9,20 +9,20 @@ from pathlib import Path
 
 import pytest
 from azure.storage.blob import ContainerClient
-from tiered_ckpt import cli
-from tiered_ckpt import manifest as mf
-from tiered_ckpt import retention as ret
-from tiered_ckpt.backends import LocalBackend
-from tiered_ckpt.blobstore import META_HASH, BlobStore
-from tiered_ckpt.config import dump
-from tiered_ckpt.errors import ConflictError, IntegrityError
-from tiered_ckpt.exporter import Exporter, read_status
-from tiered_ckpt.lock import exclusive, lock_path
-from tiered_ckpt.proof import prove
-from tiered_ckpt.restore import choose, restore
-from tiered_ckpt.status import gather
 
 from tests.lifecycle.helpers import REPO, local_cfg, make_checkpoint
+from tiered_ckpt.cli import app as cli
+from tiered_ckpt.config import dump
+from tiered_ckpt.errors import ConflictError, IntegrityError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.lock import exclusive, lock_path
+from tiered_ckpt.lifecycle import retention as ret
+from tiered_ckpt.lifecycle.exporter import Exporter, read_status
+from tiered_ckpt.lifecycle.proof import prove
+from tiered_ckpt.lifecycle.restore import choose, restore
+from tiered_ckpt.lifecycle.status import gather
+from tiered_ckpt.tiers.backends import LocalBackend
+from tiered_ckpt.tiers.blob import META_HASH, BlobStore
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_lock_held_by_another_process_is_a_conflict(env) -> None:
     cfg, store, _ = env
     make_checkpoint(cfg.root, "m", 0, 10)
     lp = lock_path(cfg.root, "m")
-    code = ("import sys,time; sys.path.insert(0,'scripts'); from tiered_ckpt.lock import exclusive\n"
+    code = ("import sys,time; sys.path.insert(0,'scripts'); from tiered_ckpt.io.lock import exclusive\n"
             f"with exclusive({str(lp)!r}, 'test holder'):\n print('held', flush=True); time.sleep(30)")
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -173,8 +173,8 @@ def test_sigkill_mid_apply_then_rerun_finishes(env, tmp_path: Path) -> None:
     # The child dies by SIGKILL after the marker and half of the data of the first victim are gone.
     code = (
         "import os, signal, shutil, sys\n"
-        "sys.path.insert(0, 'scripts')\n"
-        "from tiered_ckpt import manifest, cli\n"
+
+        "from tiered_ckpt.io import commit as manifest\nfrom tiered_ckpt.cli import app as cli\n"
         "def half(p, *a, **k):\n"
         "    for n in sorted(os.listdir(p))[:10]: os.unlink(os.path.join(p, n))\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -297,7 +297,7 @@ def test_export_watch_runs_until_sigterm(env, tmp_path: Path) -> None:
     st_file = tmp_path / "exp.json"
     proc = subprocess.Popen([sys.executable, "-m", "tiered_ckpt", "export", "--watch", "--interval", "0.2",
                              "--config", str(cfg_file), "--export-status", str(st_file)],
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "scripts")},
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         make_checkpoint(cfg.root, "m", 0, 10)

@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 from azure.storage.blob import ContainerClient
-from tiered_ckpt import cli
-from tiered_ckpt import manifest as mf
-from tiered_ckpt.backends import LocalBackend
-from tiered_ckpt.blobstore import BlobStore
-from tiered_ckpt.config import dump
-from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.exporter import Exporter
-from tiered_ckpt.hashing import new_hasher
-from tiered_ckpt.restore import restore
 
 from tests.lifecycle.helpers import local_cfg, make_checkpoint
 from tests.lifecycle.test_lifecycle_amlfs import _import_hook, aml, auto_export, backend_of  # noqa: F401
+from tiered_ckpt.cli import app as cli
+from tiered_ckpt.config import dump
+from tiered_ckpt.errors import IntegrityError, UserError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.lifecycle.exporter import Exporter
+from tiered_ckpt.lifecycle.restore import restore
+from tiered_ckpt.tiers.backends import LocalBackend
+from tiered_ckpt.tiers.blob import BlobStore
 
 NAME = "global_epoch0_step10"
 PREFIX = f"checkpoints/m/{NAME}"
@@ -185,7 +185,7 @@ def test_restore_into_a_symlinked_directory_is_refused(env, tmp_path: Path, link
 # -- AMLFS: the import job and hsm_restore bring bytes from the archive too ---------------------
 
 def test_amlfs_import_of_a_damaged_archive_is_refused_and_its_marker_removed(aml, arm_env) -> None:  # noqa: F811
-    from tiered_ckpt import retention as ret
+    from tiered_ckpt.lifecycle import retention as ret
 
     cfg, store, cc, _ = aml
     cfg = cfg.with_overrides(amlfs=arm_env.config_values())
@@ -205,7 +205,7 @@ def test_amlfs_import_of_a_damaged_archive_is_refused_and_its_marker_removed(aml
 
 
 def test_amlfs_files_back_from_hsm_restore_are_hash_checked_without_verify(aml) -> None:  # noqa: F811
-    from tiered_ckpt import retention as ret
+    from tiered_ckpt.lifecycle import retention as ret
 
     cfg, store, _, _ = aml
     for s in (10, 20):

@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 from azure.storage.blob import BlobServiceClient
-from tiered_ckpt import journal, tombstone
-from tiered_ckpt import manifest as mf
-from tiered_ckpt import retention as ret
-from tiered_ckpt.azurite import Azurite
-from tiered_ckpt.backends import LocalBackend
-from tiered_ckpt.blobstore import BlobStore
-from tiered_ckpt.config import dump
-from tiered_ckpt.errors import ConflictError, UnavailableError
-from tiered_ckpt.exporter import Exporter
-from tiered_ckpt.hashing import hash_path
-from tiered_ckpt.restore import restore
 
 from tests.lifecycle.helpers import REPO, local_cfg, make_checkpoint
+from tiered_ckpt.config import dump
+from tiered_ckpt.errors import ConflictError, UnavailableError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.hashing import hash_path
+from tiered_ckpt.lifecycle import journal, tombstone
+from tiered_ckpt.lifecycle import retention as ret
+from tiered_ckpt.lifecycle.exporter import Exporter
+from tiered_ckpt.lifecycle.restore import restore
+from tiered_ckpt.tiers.backends import LocalBackend
+from tiered_ckpt.tiers.blob import BlobStore
+from tiered_demo.azurite import Azurite
 
 OLD = "global_epoch0_step10"
 ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'scripts'}:{REPO}"}
@@ -54,7 +54,7 @@ def old_dir(cfg) -> Path:
 
 def hold_lock(cfg, name: str, purpose: str, then: str = "sys.stdin.readline()") -> subprocess.Popen[str]:
     """A real process holding the checkpoint's lock (as a save or restore would) until told, or `then` ends."""
-    code = ("import shutil, sys, time\nfrom tiered_ckpt.lock import checkpoint_lock\n"
+    code = ("import shutil, sys, time\nfrom tiered_ckpt.io.lock import checkpoint_lock\n"
             f"with checkpoint_lock({cfg.root!r}, 'm', {name!r}, {purpose!r}):\n"
             f"    print('held', flush=True)\n    {then}\n")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=ENV, stdin=subprocess.PIPE,
@@ -195,8 +195,8 @@ def test_a_restored_checkpoint_is_kept_for_the_restore_grace(env, tmp_path: Path
 RESTORER = """
 import sys, time
 from tiered_ckpt import config
-from tiered_ckpt.backends import LocalBackend
-from tiered_ckpt.restore import restore
+from tiered_ckpt.tiers.backends import LocalBackend
+from tiered_ckpt.lifecycle.restore import restore
 cfg = config.load(sys.argv[1])
 slow = float(sys.argv[2])
 seen = [0]

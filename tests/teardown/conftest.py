@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import xxhash
 from azure.storage.blob import ContainerClient
-from tiered_ckpt import manifest as mf
 
 from tests.doubles.arm_double import ArmDouble, blob_archive_hook
 from tests.doubles.fake_pulumi import parse
+from tiered_ckpt.io import commit as mf
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "tests" / "doubles" / "pulumi_bin"
@@ -30,7 +30,7 @@ ACCOUNT = "tckptprodst7f3a"
 
 
 def _load_script() -> Any:
-    spec = importlib.util.spec_from_file_location("teardown_script", ROOT / "scripts" / "teardown.py")
+    spec = importlib.util.spec_from_file_location("teardown_script", ROOT / "src" / "tiered_ops" / "teardown_cli.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -216,8 +216,8 @@ def env(arm_env: ArmDouble, azurite_container: tuple[str, str], tmp_path: Path,
     (e.mount / "checkpoints").mkdir(parents=True)
 
     # One event log across ARM and pulumi, to assert the order of the steps.
-    import tiered_ckpt.arm as arm
-    import tiered_ckpt.pulumi_cli as pc
+    import tiered_ckpt.tiers.arm as arm
+    import tiered_ops.pulumi_cli as pc
 
     orig_disable, orig_capture, orig_stream = arm.AmlfsJobs.disable_autoexport, pc.PulumiCli.capture, pc.PulumiCli.stream
 

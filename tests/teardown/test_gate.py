@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from tiered_ckpt.teardown_gate import CheckpointRecord, Evidence, ExportState, ManualArchive, evaluate
+from tiered_ops.gate import CheckpointRecord, Evidence, ExportState, ManualArchive, evaluate
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 CK = CheckpointRecord("llama", "global_epoch1_step10", T0, (("rank0.bin", 100), ("rank1.bin", 50)), marker_size=300,

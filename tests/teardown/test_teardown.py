@@ -1,4 +1,4 @@
-"""scripts/teardown.py end to end: fake pulumi CLI on PATH, the ARM double, Azurite as the archive.
+"""tiered_ops.teardown_cli end to end: fake pulumi CLI on PATH, the ARM double, Azurite as the archive.
 
 What an operator depends on: the file system goes only when Blob provably holds every committed
 checkpoint; a refusal changes nothing and says exactly what is missing; a failed step stops
@@ -365,19 +365,18 @@ def test_missing_pulumi_cli_is_one_clear_error(env: Env, monkeypatch: pytest.Mon
 
 
 def test_runs_as_a_program_the_way_make_calls_it(env: Env) -> None:
-    """`make teardown` runs `python scripts/teardown.py --stack S ARGS`: no in-process patches here, so
+    """`make teardown` runs `python -m tiered_ops.teardown_cli --stack S ARGS`: no in-process patches here, so
     use a stack whose compute side is already off (no ARM call) and skip the Blob listing."""
     import json
     import subprocess
     import sys
 
-    from .conftest import ROOT
 
     stacks = env.stacks()
     stacks[STACK]["outputs"] = {**stacks[STACK]["outputs"], "computeEnabled": False, "amlfsName": None,
                                 "autoExportJobName": None, "computeResourceGroup": None}
     (env.state / "stacks.json").write_text(json.dumps(stacks))
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "teardown.py"), *env.args("--yes", "--no-blob-check", "--json")],
+    p = subprocess.run([sys.executable, "-m", "tiered_ops.teardown_cli", *env.args("--yes", "--no-blob-check", "--json")],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
@@ -466,7 +465,7 @@ def test_gate_says_which_content_proof_it_used_per_checkpoint(env: Env) -> None:
 
 
 def test_verify_content_hashes_each_blob_once_across_polls(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiered_ckpt.teardown as td
+    import tiered_ops.teardown as td
 
     archived_ckpts(env, 2)
     calls: list[str] = []

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiered_ckpt import cli
-from tiered_ckpt import manifest as mf
+
+from tiered_ckpt.cli import app as cli
+from tiered_ckpt.io import commit as mf
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+
 from tiered_ckpt import api, config
 from tiered_ckpt.errors import EXIT_USAGE
 
@@ -171,7 +172,7 @@ def test_oserror_at_the_cli_edge_names_path_and_errno(tmp_path: Path, monkeypatc
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """EROFS simulated in-process (os.open patched): whatever the library did not turn into its own
     message, the CLI turns into one line naming the path, the errno and the fix."""
-    from tiered_ckpt import cli
+    from tiered_ckpt.cli import app as cli
 
     root = tmp_path / "checkpoints"
     root.mkdir()
@@ -187,7 +188,7 @@ def test_oserror_at_the_cli_edge_names_path_and_errno(tmp_path: Path, monkeypatc
         return real_open(path, flags, *a, **k)
 
     monkeypatch.setattr(os, "open", ro_open)
-    import tiered_ckpt.cmd_io as cmd_io
+    import tiered_ckpt.cli.io as cmd_io
 
     def boom(*a, **k):  # noqa: ANN002,ANN003,ANN202
         os.open(str(root / "llama" / "x"), os.O_WRONLY | os.O_CREAT)

@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 import tiered_ckpt as tc
-from tiered_ckpt import manifest as mf
-from tiered_ckpt import writer
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
-from tiered_ckpt.reader import verify
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import writer
+from tiered_ckpt.io.reader import verify
 
 
 def _committed_ok(path: Path) -> bool:

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tiered_ckpt as tc
 import yaml
-from tiered_ckpt import manifest as mf
+
+import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError, UserError
+from tiered_ckpt.io import commit as mf
 
 pytestmark = pytest.mark.timeout(180)
 

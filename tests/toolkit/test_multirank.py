@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import tiered_ckpt as tc
-from tiered_ckpt import manifest as mf
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.reader import verify
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.reader import verify
 
 RANK = r"""
 import json, sys

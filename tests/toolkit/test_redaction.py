@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+
 from tiered_ckpt import api, config
 from tiered_ckpt.redact import redact, safe_url
 
@@ -98,14 +99,14 @@ def test_redact_covers_every_credential_form() -> None:
 
 
 def test_json_and_error_output_are_redacted_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    from tiered_ckpt.output import print_error, print_json, stderr
+    from tiered_ckpt.cli.output import print_error, print_json, stderr
 
     print_json({"error": f"at http://h/c?sig={SECRET}", f"k?sig={SECRET}": [f"AccountKey={KEY}"]})
     print_error(f"refused: http://h/c?sv=1&sig={SECRET}")
     stderr.print(f"[yellow]warning:[/] listing failed: ...&sig={SECRET} " + "x" * 200)
     import logging
 
-    from tiered_ckpt.output import install_log_redaction
+    from tiered_ckpt.cli.output import install_log_redaction
 
     install_log_redaction()
     logging.getLogger("azure.core").warning("request to %s failed", f"http://h/c?sig={SECRET}")
@@ -116,7 +117,8 @@ def test_json_and_error_output_are_redacted_in_process(capsys: pytest.CaptureFix
 
 def test_arm_errors_are_redacted() -> None:
     from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
-    from tiered_ckpt.arm import AmlfsTarget, _translate
+
+    from tiered_ckpt.tiers.arm import AmlfsTarget, _translate
 
     t = AmlfsTarget("sub", "rg", "fs", "job")
     for err in (ClientAuthenticationError(f'token request failed: {{"access_token": "{SECRET}"}}'),

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 import tiered_ckpt as tc
-from tiered_ckpt import manifest as mf
-from tiered_ckpt.buffers import SyntheticSource
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.reader import verify
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.reader import verify
+from tiered_ckpt.io.sources import SyntheticSource
 
 
 def _state() -> dict[str, object]:
@@ -147,7 +148,8 @@ def test_device_tensors_are_copied_block_by_block(cfg: NodeConfig, monkeypatch: 
     """No GPU here: a CPU tensor takes the device path (chunked copies into pool blocks) by patching
     its device check, so the code GPU tensors run is exercised end to end."""
     import torch
-    from tiered_ckpt import buffers
+
+    from tiered_ckpt.io import sources as buffers
 
     t = torch.randn(3000, 77)                       # 924 KB: several 256 KiB blocks through a 1 MiB pool
     real = buffers.to_source

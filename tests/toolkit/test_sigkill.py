@@ -10,13 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-from tiered_ckpt import manifest as mf
-from tiered_ckpt.reader import verify
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.reader import verify
 
 WRITER = r"""
 import os, sys
 import tiered_ckpt as tc
-from tiered_ckpt import manifest as mf
+from tiered_ckpt.io import commit as mf
 from tiered_ckpt.config import IoConfig, NodeConfig
 cfg = NodeConfig(root=sys.argv[1], model="m", io=IoConfig(threads=3, files_per_rank=4, block_size=128 << 10,
                                                            sync_buffer_bytes=512 << 10, staging_bytes=1 << 20))

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiered_ckpt import manifest as mf
-from tiered_ckpt.reader import verify
+
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.reader import verify
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 

@@ -9,14 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiered_ckpt import manifest as mf
+
+from tiered_ckpt.io import commit as mf
 
 TORCH_RANK = r"""
 import json, os, sys, time
 import torch
 import torch.distributed as dist
 import tiered_ckpt as tc
-from tiered_ckpt import lock, writer
+from tiered_ckpt.io import lock
+from tiered_ckpt.io import writer
 from tiered_ckpt.config import IoConfig, NodeConfig
 root, store, rank, T = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -112,7 +114,7 @@ def test_any_exception_on_rank_0_fails_rank_1_within_the_barrier_timeout(root: P
 FILE_RANK = r"""
 import json, sys, time
 import tiered_ckpt as tc
-from tiered_ckpt import writer
+from tiered_ckpt.io import writer
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import UserError
 root, rank, sid, fail_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]

@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 import tiered_ckpt as tc
-from tiered_ckpt import manifest as mf
-from tiered_ckpt import writer
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, UserError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import writer
+from tiered_ckpt.io.reader import verify
 from tiered_ckpt.naming import parse_name, require_name
-from tiered_ckpt.reader import verify
 
 IO = "IoConfig(threads=2, files_per_rank=3, block_size=64 << 10, sync_buffer_bytes=256 << 10, staging_bytes=256 << 10)"
 
@@ -95,7 +96,7 @@ def test_every_file_carries_the_save_id_and_the_marker_names_it(cfg: NodeConfig,
 
 
 def test_a_name_archived_and_deleted_by_retention_is_never_saved_again(cfg: NodeConfig, root: Path) -> None:
-    from tiered_ckpt import tombstone
+    from tiered_ckpt.lifecycle import tombstone
 
     tc.save({"a": b"v1" * 1000}, epoch=0, step=200, config=cfg)
     d = root / "m" / "global_epoch0_step200"
@@ -118,7 +119,7 @@ def _archive_cfg(root: Path, conn: str, container: str) -> NodeConfig:
 
 def _archive(cfg: NodeConfig, d: Path) -> None:
     """Upload every file of a checkpoint, as the export does (same relative names)."""
-    from tiered_ckpt.blobstore import BlobStore
+    from tiered_ckpt.tiers.blob import BlobStore
 
     store = BlobStore(cfg.archive, backoff=0.05)
     for p in sorted(d.iterdir()):
@@ -141,7 +142,7 @@ def test_an_unreachable_archive_does_not_block_a_save(root: Path, caplog: pytest
     key = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
     conn = f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={key};BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;"
     cfg = _archive_cfg(root, conn, "c")
-    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.writer"):
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.io.writer"):
         r = tc.save({"a": b"x" * 1000}, epoch=0, step=1, config=cfg)
     assert mf.read_marker(r.path) is not None
     assert "could not check whether global_epoch0_step1 is committed in the archive" in caplog.text
@@ -183,7 +184,7 @@ def test_two_env_var_ranks_cannot_resave_a_name_committed_in_the_archive(root: P
     assert all(o["ok"] for _, o in _env_ranks(root, "v1", conn, container, 1))
     d = root / "m" / "global_epoch0_step200"
     _archive(cfg, d)
-    from tiered_ckpt.blobstore import BlobStore
+    from tiered_ckpt.tiers.blob import BlobStore
 
     store = BlobStore(cfg.archive, backoff=0.05)
     archived = {rel: b.size for rel, b in store.listing("m").items()}
@@ -287,7 +288,7 @@ def test_names_are_canonical_and_numbers_are_integers(cfg: NodeConfig, root: Pat
 
 
 def test_a_new_save_drops_the_retention_journal_entry_of_its_name(cfg: NodeConfig, root: Path) -> None:
-    from tiered_ckpt import journal
+    from tiered_ckpt.lifecycle import journal
 
     (root / "m").mkdir()
     journal.add(root, "m", "global_epoch0_step9")        # left by a killed retention run

@@ -1,0 +1,5 @@
+import sys
+
+from tiered_ckpt.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,124 @@
+"""`tiered-ckpt`: the node toolkit's command line.
+
+Each command lives in the module that does its job; this file only wires them and turns
+user errors into one clear line and an exit code (see errors.py), never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from tiered_ckpt import config as config_mod
+from tiered_ckpt.cli import io as io_commands
+from tiered_ckpt.cli import lifecycle as lifecycle_commands
+from tiered_ckpt.cli.output import install_log_redaction, print_error, redact
+from tiered_ckpt.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UserError
+
+Handler = Callable[[argparse.Namespace, config_mod.NodeConfig], int]
+# A command group: adds its subcommands to the parser (`register(subparsers, common flags)`).
+Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]", argparse.ArgumentParser], None]
+
+# The node toolkit's command groups, registered by direct import (an import error is an error here).
+COMMANDS: tuple[Registrar, ...] = (
+    io_commands.register,          # bench, list, verify
+    lifecycle_commands.register,   # retention, restore, status, export
+)
+
+
+def common_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config", help=f"node config file (default: ${config_mod.ENV_VAR} or {config_mod.DEFAULT_PATH})")
+    p.add_argument("--root", help="checkpoint root on the accelerator layer (default: from the config)")
+    p.add_argument("--model", help="model directory under the root (default: from the config)")
+    p.add_argument("--backend", choices=("amlfs", "local"), help="tier back-end (default: from the config)")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    return p
+
+
+def build_parser(commands: Sequence[Registrar] = COMMANDS, prog: str = "tiered-ckpt") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Checkpoint I/O, archive proof, retention and restore on the accelerator layer (AMLFS) and Blob.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    parent = common_parser()
+    for register in commands:
+        register(sub, parent)
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> config_mod.NodeConfig:
+    cfg = config_mod.load(args.config)
+    return cfg.with_overrides(
+        root=getattr(args, "root", None),
+        model=getattr(args, "model", None),
+        backend=getattr(args, "backend", None),
+    )
+
+
+# errno -> (what it means for the user, exit code). The path's mount or permissions are the
+# user's to fix (EXIT_USAGE); a full or failing device is an operation that failed.
+_OS_ERRORS = {
+    errno.EROFS: ("the file system is mounted read-only; remount it read-write (or use another --root)", EXIT_USAGE),
+    errno.EACCES: ("permission denied; run as a user that may write there, or fix the directory's permissions", EXIT_USAGE),
+    errno.EPERM: ("operation not permitted (an immutable file or directory, or a permission the user lacks); "
+                  "check `lsattr -d` and the permissions", EXIT_USAGE),
+    errno.ENOENT: ("no such file or directory; check the path (--root, --config) and that the file system is mounted",
+                   EXIT_USAGE),
+    errno.ENOTDIR: ("a component of the path is not a directory; check the path", EXIT_USAGE),
+    errno.ENOSPC: ("no space left on the device; free space (retention apply) or grow the file system", EXIT_FAILED),
+    errno.EDQUOT: ("disk quota exceeded; free space or raise the quota", EXIT_FAILED),
+    errno.ENOMEM: ("out of memory; lower io.threads, io.block_size or io.staging_bytes", EXIT_FAILED),
+    errno.EIO: ("an I/O error from the device; check the file system (dmesg, lfs check servers)", EXIT_FAILED),
+}
+
+
+def os_error_message(e: OSError, cfg: config_mod.NodeConfig | None = None) -> tuple[str, int]:
+    """One line for an OSError that reached the command line: the path, the errno and the fix."""
+    name = errno.errorcode.get(e.errno or 0, "") if e.errno else ""
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    where = " -> ".join(paths) if paths else (f"a file under the checkpoint root {cfg.root}" if cfg else "a file")
+    hint, code = _OS_ERRORS.get(e.errno or -1, ("check the path and the file system", EXIT_FAILED))
+    reason = e.strerror or str(e) or type(e).__name__
+    return f"{where}: {reason}{f' ({name})' if name else ''}: {hint}", code
+
+
+def main(argv: Sequence[str] | None = None, *, commands: Sequence[Registrar] = COMMANDS, prog: str = "tiered-ckpt") -> int:
+    """Run one command; `commands`/`prog` let the demo and operator packages reuse this edge."""
+    parser = build_parser(commands, prog)
+    args = parser.parse_args(argv)
+    as_json = bool(getattr(args, "json", False))
+    # Log records (the Azure SDK's warnings included) go through the same redaction as output.
+    install_log_redaction()
+    # SIGTERM (systemd stop, kill) takes the same clean-up path as Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    cfg: config_mod.NodeConfig | None = None
+    try:
+        cfg = load_config(args)
+        handler: Handler = args.handler
+        return int(handler(args, cfg) or 0)
+    except UserError as e:
+        print_error(str(e), as_json=as_json, exit_code=e.exit_code)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print_error("interrupted; nothing committed was changed", as_json=as_json, exit_code=EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
+    except OSError as e:
+        # The environment, not a bug: a read-only or full file system, a permission.
+        msg, code = os_error_message(e, cfg)
+        print_error(msg, as_json=as_json, exit_code=code)
+        return code
+    except Exception:
+        # A bug. Its traceback helps the report, but it may quote a URL with a SAS token.
+        sys.stderr.write(redact(traceback.format_exc()))
+        print_error("internal error (the traceback above); please report it", as_json=as_json, exit_code=EXIT_FAILED)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Subcommands of the tier lifecycle: retention plan|apply, restore, status, export.
+
+Wiring only: the work is in retention.py, restore.py, status.py and exporter.py, which the
+demo calls directly from Python.
+"""
+from __future__ import annotations
+
+import argparse
+import threading
+
+from tiered_ckpt.cli.output import human_bytes, print_json, print_table, stderr, stdout
+from tiered_ckpt.config import NodeConfig, parse_duration
+from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.lifecycle import retention as ret
+from tiered_ckpt.lifecycle.exporter import Exporter, Iteration
+from tiered_ckpt.lifecycle.restore import DEFAULT_LOCK_WAIT, HASHES, NO_HASHES, restore
+from tiered_ckpt.lifecycle.status import gather
+from tiered_ckpt.tiers.backends import make_backend
+
+
+def _policy(args: argparse.Namespace, cfg: NodeConfig) -> ret.Policy:
+    newer = grace = None
+    if args.keep_newer_than is not None:
+        newer = parse_duration(args.keep_newer_than, "--keep-newer-than")
+    if args.restore_grace is not None:
+        grace = parse_duration(args.restore_grace, "--restore-grace")
+    return ret.Policy.from_config(
+        cfg.retention, keep_last=args.keep_last, keep_every_steps=args.keep_every_steps,
+        keep_newer_than=newer, min_keep=args.min_keep, action=args.action, restore_grace=grace,
+    )
+
+
+def _print_plan(pl: ret.Plan, title: str) -> None:
+    rows = [(d.name, d.action, human_bytes(d.bytes), d.reason) for d in pl.decisions]
+    print_table(title, ("checkpoint", "decision", "size", "reason"), rows)
+
+
+def cmd_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    policy = _policy(args, cfg)
+    if policy.action == ret.RELEASE and cfg.backend != "amlfs":
+        raise ConfigError("--action release frees Lustre data with lfs hsm_release and needs backend amlfs; use --action delete locally")
+    backend = make_backend(cfg)
+    if args.retention_cmd == "plan":
+        pl = ret.plan(cfg, backend, policy)
+        if args.json:
+            print_json({"ok": True, **pl.to_json()})
+        else:
+            _print_plan(pl, f"retention plan for {cfg.model} ({cfg.root}), nothing changed")
+        return EXIT_OK
+    res = ret.apply(cfg, backend, policy)
+    if args.json:
+        print_json({"ok": True, **res.to_json()})
+    else:
+        _print_plan(res.plan, f"retention applied to {cfg.model} ({cfg.root})")
+        stdout.print(f"done: {', '.join(res.done) or 'nothing'}; freed {human_bytes(res.freed_bytes)}")
+    return EXIT_OK
+
+
+def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    if args.name and args.latest:
+        raise ConfigError("give either a checkpoint NAME or --latest, not both")
+    if args.wait is not None and args.wait < 0:
+        raise ConfigError(f"--wait: {args.wait} must be >= 0 seconds")
+    backend = make_backend(cfg)
+    res = restore(cfg, backend, args.name, verify=args.verify, progress=not args.json,
+                  lock_wait=DEFAULT_LOCK_WAIT if args.wait is None else args.wait)
+    if args.json:
+        print_json(res.to_json())
+    else:
+        how = {"resident": "already resident, nothing copied", "released": f"{res.prefetched_files} released files restored with lfs hsm_restore",
+               "archive": "copied back from the archive"}[res.source]
+        checked = {HASHES: "sizes and hashes verified", NO_HASHES: NO_HASHES}.get(res.check, "sizes verified")
+        stdout.print(
+            f"restored {res.name} at {res.path}: {how}; {human_bytes(res.bytes)} in {res.seconds:.1f}s "
+            f"({res.gbps:.2f} GB/s); {checked}"
+        )
+        for w in res.warnings:
+            stderr.print(f"[yellow]warning:[/] {w}")
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    st = gather(make_backend(cfg), export_status_path=args.export_status)
+    if args.json:
+        print_json({"ok": True, **st.to_json()})
+        return EXIT_OK
+    print_table(f"checkpoints of {st.model} ({st.backend}, {st.root})", ("checkpoint", "tier", "size", "detail"),
+                [(c.name, c.tier, human_bytes(c.bytes), c.detail) for c in st.checkpoints])
+    b = st.backlog
+    age = "-" if b.oldest_age_s is None else f"{b.oldest_age_s:.0f}s"
+    stdout.print(f"export backlog: {b.files} files, {human_bytes(b.bytes)}, oldest unarchived {age} {b.note}")
+    e = st.export
+    stdout.print(f"export job: {e.get('job')}: state {e.get('state')}, last successful iteration "
+                 f"{e.get('last_successful_iteration_utc') or e.get('last_success_utc') or '-'}, "
+                 f"files failed {e.get('total_files_failed', '-')}{'; ' + e['error'] if e.get('error') else ''}")
+    if st.capacity:
+        c = st.capacity
+        stdout.print(f"capacity: {human_bytes(c.used_bytes)} used of {human_bytes(c.total_bytes)}; retention keeps "
+                     f"{human_bytes(c.retention_keeps_bytes)} + next checkpoint {human_bytes(c.next_checkpoint_bytes)} "
+                     f"= {human_bytes(c.needed_bytes)} ({'fits' if c.fits else 'DOES NOT FIT'})")
+    for w in st.warnings:
+        stderr.print(f"[yellow]warning:[/] {w}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    if args.interval <= 0:
+        raise ConfigError(f"--interval: {args.interval} must be > 0 seconds")
+    ex = Exporter(cfg, status_path=args.export_status)
+    # A mistyped root would otherwise export nothing, report success and write a status file
+    # beside a directory that does not exist.
+    mf.require_root(cfg.root)
+    ex.store.ensure_container()
+
+    def show(it: Iteration) -> None:
+        if args.json:
+            print_json({"ok": it.ok, "files_discovered": it.files_discovered, "files_exported": it.files_exported,
+                        "files_failed": it.files_failed, "bytes_exported": it.bytes_exported,
+                        "completed_utc": it.completed_utc, "errors": it.errors[:5]})
+        else:
+            stdout.print(f"export iteration: {it.files_discovered} new/changed, {it.files_exported} exported "
+                         f"({human_bytes(it.bytes_exported)}), {it.files_failed} failed in {it.seconds:.1f}s")
+            for err in it.errors[:5]:
+                stderr.print(f"[yellow]failed:[/] {err}")
+
+    if not args.watch:
+        it = ex.iterate()
+        show(it)
+        return EXIT_OK if it.ok else EXIT_FAILED
+    if not args.json:
+        stderr.print(f"local exporter (stand-in for AMLFS auto-export): {cfg.root} -> {ex.store.where}, "
+                     f"every {args.interval:g}s; Ctrl-C to stop")
+    ex.watch(args.interval, threading.Event(), on_iteration=show)
+    return EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("retention", help="plan or apply the retention policy (frees the accelerator layer)")
+    rs = p.add_subparsers(dest="retention_cmd", metavar="plan|apply")
+    rs.required = True
+    for name, text in (("plan", "show every checkpoint's decision and why; changes nothing"),
+                       ("apply", "delete/release what the plan allows, under a lock; safe to re-run")):
+        q = rs.add_parser(name, parents=[parent], help=text, description=text)
+        q.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N committed (retention.keep_last)")
+        q.add_argument("--keep-every-steps", type=int, metavar="K", help="keep every checkpoint whose step is a multiple of K")
+        q.add_argument("--keep-newer-than", metavar="DURATION", help="keep checkpoints younger than this, e.g. 6h, 2d")
+        q.add_argument("--min-keep", type=int, metavar="M", help="never touch the newest M committed (default 2)")
+        q.add_argument("--action", choices=("delete", "release"), help="delete (default) or release (AMLFS: lfs hsm_release)")
+        q.add_argument("--restore-grace", metavar="DURATION",
+                       help="keep a checkpoint restored less than this ago (retention.restore_grace, default 1h; 0 = off)")
+        q.set_defaults(handler=cmd_retention)
+
+    p = sub.add_parser("restore", parents=[parent], help="make a committed checkpoint readable on the accelerator layer",
+                       description="Restore NAME or the newest committed checkpoint on either tier, by the cheapest path.")
+    p.add_argument("name", nargs="?", metavar="NAME", help="checkpoint directory name, e.g. global_epoch3_step12000")
+    p.add_argument("--latest", action="store_true", help="the newest committed checkpoint on either tier (default)")
+    p.add_argument("--verify", action="store_true",
+                   help="also hash a resident checkpoint's files (bytes from the archive are always hash-checked)")
+    p.add_argument("--wait", type=float, metavar="S",
+                   help=f"seconds to wait for another process working on the checkpoint (default {DEFAULT_LOCK_WAIT:g})")
+    p.set_defaults(handler=cmd_restore)
+
+    p = sub.add_parser("status", parents=[parent], help="tiers of each checkpoint, export backlog, export job, capacity")
+    p.add_argument("--export-status", metavar="PATH", help="local exporter status file (default: next to the root)")
+    p.set_defaults(handler=cmd_status)
+
+    p = sub.add_parser("export", parents=[parent],
+                       help="local stand-in for AMLFS auto-export: copy new/changed files to Blob in iterations",
+                       description="The local stand-in for AMLFS auto-export: copies new and changed files (committed or "
+                                   "not) under the root to the archive container under the same relative path, in "
+                                   "iterations; never deletes blobs.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--once", action="store_true", help="run one iteration and exit (default)")
+    g.add_argument("--watch", action="store_true", help="iterate until Ctrl-C / SIGTERM")
+    p.add_argument("--interval", type=float, default=5.0, metavar="S", help="seconds between iteration starts (default 5)")
+    p.add_argument("--export-status", metavar="PATH", help="status file (default: next to the root, outside the exported tree)")
+    p.set_defaults(handler=cmd_export)

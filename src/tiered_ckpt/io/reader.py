@@ -1,0 +1,226 @@
+"""Reading committed checkpoints back: verify (sizes always, hashes on request) and load.
+
+Files are read in parallel, one file per thread, in block-sized O_DIRECT requests into a
+page-aligned block, hashed inline when asked, and copied into the destination buffers.
+
+Every file is opened through fsafe below the checkpoint directory: a data file that is a
+symlink (to anything, inside the tree or out of it), a FIFO or a device is refused, never read.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiered_ckpt.errors import IntegrityError, UserError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import fsafe
+from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.pools import pool
+from tiered_ckpt.io.sources import allocate, writable_view
+
+# (file offset, nbytes, destination view) pieces of one file
+Pieces = list[tuple[int, int, memoryview]]
+
+
+@dataclass
+class VerifyReport:
+    name: str
+    path: str
+    committed: bool
+    bytes: int = 0
+    files: int = 0
+    hashed: bool = False
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.committed and not self.problems
+
+
+def open_read(path: Path, direct: bool, anchor: Path | None = None) -> tuple[int, bool]:
+    """A read descriptor of a regular file (fsafe: no symlink below `anchor`, never blocks)."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return fsafe.open_file(path, os.O_RDONLY | os.O_DIRECT, anchor=anchor), True
+        except fsafe.UnsafePath:
+            raise
+        except OSError as e:
+            if e.errno != errno.EINVAL:      # the file system does not do O_DIRECT (tmpfs)
+                raise
+    return fsafe.open_file(path, os.O_RDONLY, anchor=anchor), False
+
+
+def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8, block_size: int = 16 << 20,
+               direct: bool = True, check_hash: bool = False, pieces: Mapping[str, Pieces] | None = None,
+               progress: Callable[[int], None] | None = None) -> list[str]:
+    """Read every file (optionally into destination pieces); the list of problems found."""
+    nthreads = max(1, min(threads, len(entries)))
+    # Sized by the configured thread count, not this checkpoint's file count: pools are cached
+    # per size, so one pool serves every load instead of one pre-faulted pool per file count.
+    bufs = pool("read", max(1, threads) * block_size, block_size)
+    work: queue.Queue[mf.FileEntry] = queue.Queue()
+    for e in entries:
+        work.put(e)
+    problems: list[str] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        idx = bufs.acquire()
+        try:
+            view = bufs.view(idx)
+            while True:
+                try:
+                    e = work.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    msg = _read_one(ckpt_dir, e, view, direct, check_hash, (pieces or {}).get(e.path, []), progress)
+                except fsafe.UnsafePath as err:
+                    msg = f"{ckpt_dir / e.path}: {err.strerror}"
+                except OSError as err:
+                    msg = f"{ckpt_dir / e.path}: cannot read ({err.strerror or err})"
+                if msg:
+                    with lock:
+                        problems.append(msg)
+        finally:
+            bufs.release(idx)
+
+    ts = [threading.Thread(target=run, name=f"ckpt-reader-{i}", daemon=True) for i in range(nthreads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return sorted(problems)
+
+
+def _read_one(ckpt_dir: Path, e: mf.FileEntry, view: memoryview, direct: bool, check_hash: bool, pieces: Pieces,
+              progress: Callable[[int], None] | None) -> str | None:
+    path = ckpt_dir / e.path
+    fd, _ = open_read(path, direct, anchor=ckpt_dir)
+    try:
+        h = new_hasher() if check_hash and e.hash else None
+        pieces = sorted(pieces, key=lambda p: p[0])
+        off, pi = 0, 0
+        while off < e.size:
+            n = os.preadv(fd, [view], off)
+            if n <= 0:
+                return f"{path}: ends at {off} bytes, manifest says {e.size}"
+            n = min(n, e.size - off)
+            chunk = view[:n]
+            if h is not None:
+                h.update(chunk)
+            while pi < len(pieces) and pieces[pi][0] + pieces[pi][1] <= off:
+                pi += 1
+            j = pi
+            while j < len(pieces) and pieces[j][0] < off + n:
+                p_off, p_n, dest = pieces[j]
+                a, b = max(p_off, off), min(p_off + p_n, off + n)
+                dest[a - p_off:b - p_off] = chunk[a - off:b - off]
+                j += 1
+            off += n
+            if progress is not None:
+                progress(n)
+    finally:
+        os.close(fd)
+    if h is not None and h.hexdigest() != e.hash:
+        return f"{path}: content hash differs from the manifest (corrupted or changed after commit)"
+    return None
+
+
+def verify(ckpt_dir: Path, *, check_hash: bool = False, threads: int = 8, block_size: int = 16 << 20,
+           direct: bool = True, progress: Callable[[int], None] | None = None,
+           anchor: Path | None = None) -> VerifyReport:
+    """`anchor`: the checkpoint root (no symlink followed below it, the directory included)."""
+    rep = VerifyReport(ckpt_dir.name, str(ckpt_dir), committed=False, hashed=check_hash)
+    if not os.path.lexists(ckpt_dir):
+        rep.problems.append(f"{ckpt_dir} does not exist")
+        return rep
+    if not fsafe.is_real_dir(ckpt_dir):
+        rep.problems.append(f"{ckpt_dir} is a symbolic link or not a directory: not a checkpoint (never followed)")
+        return rep
+    marker = ckpt_dir / mf.MARKER
+    m, why = mf.read_marker_checked(ckpt_dir, anchor=anchor)
+    if m is None:
+        rep.problems.append(
+            f"{marker}: not committed (invalid marker: {why})" if why is not None
+            else f"no {mf.MARKER}: not committed (a save that has not finished or crashed)"
+        )
+        return rep
+    rep.committed = True
+    rep.bytes, rep.files = m.total_bytes, len(m.files)
+    rep.problems += mf.size_problems(ckpt_dir, m, anchor=anchor)
+    if check_hash and not rep.problems:
+        unhashed = [f.path for f in m.files if not f.hash]
+        if unhashed:
+            rep.notes.append(f"{len(unhashed)} file(s) were saved without a hash; only their sizes were checked")
+        rep.problems += read_files(ckpt_dir, m.files, threads=threads, block_size=block_size, direct=direct,
+                                   check_hash=True, progress=progress)
+    return rep
+
+
+def rank_index(m: mf.Manifest, rank: int) -> dict[str, Any]:
+    ranks = m.index.get("ranks", {})
+    if str(rank) not in ranks:
+        raise UserError(f"checkpoint {m.name} has no data of rank {rank} (saved by {m.world_size} rank(s)); pass rank= 0..{m.world_size - 1}")
+    idx: dict[str, Any] = ranks[str(rank)]
+    return idx
+
+
+def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[str, Any] | None = None, check_hash: bool = False,
+         threads: int = 8, block_size: int = 16 << 20, direct: bool = True,
+         progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    m = ckpt.manifest
+    if m is None:
+        why = ckpt.why_not_committed or f"not committed (no valid {mf.MARKER})"
+        raise IntegrityError(f"{ckpt.path} is {why}; load a committed checkpoint (tiered-ckpt list)")
+    idx = rank_index(m, rank)
+    into = into or {}
+    unknown = sorted(set(into) - set(idx))
+    if unknown:
+        raise UserError(f"load into: {unknown} not in checkpoint {m.name} (it holds {sorted(idx)[:10]})")
+    out: dict[str, Any] = {}
+    pieces: dict[str, Pieces] = {}
+    for name, entry in idx.items():
+        if name in into:
+            view = writable_view(name, into[name])
+            if view.nbytes != entry["nbytes"]:
+                raise IntegrityError(f"load into {name!r}: buffer has {view.nbytes} bytes, checkpoint {m.name} holds {entry['nbytes']}")
+            out[name] = into[name]
+        else:
+            out[name], view = _allocate(m.name, name, entry)
+        for path, file_off, n, src_off in entry["segments"]:
+            pieces.setdefault(path, []).append((file_off, n, view[src_off:src_off + n]))
+    problems = mf.size_problems(ckpt.path, m, anchor=ckpt.path)
+    if problems:
+        raise IntegrityError(f"checkpoint {m.name} is damaged: " + "; ".join(problems))
+    files = [f for f in m.files if f.path in pieces or (check_hash and f.rank == rank)]
+    problems = read_files(ckpt.path, files, threads=threads, block_size=block_size, direct=direct,
+                          check_hash=check_hash, pieces=pieces, progress=progress)
+    if problems:
+        raise IntegrityError(f"checkpoint {m.name} failed verification: " + "; ".join(problems))
+    return out
+
+
+def _allocate(ckpt: str, name: str, entry: Mapping[str, Any]) -> tuple[Any, memoryview]:
+    """A new buffer for a saved one; a kind/dtype/shape the marker got wrong is an IntegrityError.
+
+    The marker's schema bounds the shape by nbytes, but only the array library knows whether a
+    dtype name is one of its own (a marker naming `torch.load` as a dtype must not crash load).
+    """
+    try:
+        obj, view = allocate(entry)
+    except (TypeError, ValueError, AttributeError, RuntimeError, MemoryError) as e:
+        raise IntegrityError(f"checkpoint {ckpt}: buffer {name!r} cannot be allocated as recorded in its marker "
+                             f"(kind {entry.get('kind')!r}, dtype {entry.get('dtype')!r}, shape {entry.get('shape')!r}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}); the marker is invalid") from None
+    if view.nbytes != entry["nbytes"]:
+        raise IntegrityError(f"checkpoint {ckpt}: buffer {name!r} is {entry['nbytes']} bytes in its marker, but its "
+                             f"dtype {entry.get('dtype')!r} and shape {entry.get('shape')!r} make {view.nbytes}; the marker is invalid")
+    return obj, view

@@ -1,0 +1,226 @@
+"""Turn what training code hands us (bytes, memoryview, numpy arrays, torch tensors, streams)
+into flat byte sources, and back into objects on load.
+
+Neither numpy nor torch is imported here unless the caller already uses them: a tensor or
+array is recognised by its type's module and duck-typed attributes, so the node toolkit runs
+without either installed.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from tiered_ckpt.errors import UserError
+
+
+@runtime_checkable
+class StreamSource(Protocol):
+    """A source too large (or too synthetic) to be one buffer: bytes are copied out on demand."""
+
+    nbytes: int
+
+    def copy_into(self, offset: int, out: memoryview) -> None: ...
+
+
+@dataclass
+class Source:
+    """One named buffer as a flat run of bytes."""
+
+    name: str
+    nbytes: int
+    kind: str                      # bytes | numpy | torch | stream
+    dtype: str | None
+    shape: list[int] | None
+    view: memoryview | None        # flat 'B' view when the bytes are in memory
+    address: int | None            # start address, for a GIL-free memmove
+    obj: Any                       # the caller's object: kept alive, re-checked for resizes
+    signature: tuple[int, int | None]
+    device_bytes: Any = None       # flat uint8 view of a tensor in device (GPU) memory
+
+    def copy_into(self, offset: int, out: memoryview, out_address: int | None = None) -> None:
+        n = len(out)
+        if self.device_bytes is not None:
+            import torch
+
+            torch.frombuffer(out, dtype=torch.uint8).copy_(self.device_bytes[offset:offset + n])
+        elif self.kind == "stream":
+            self.obj.copy_into(offset, out)
+        elif self.address is not None and out_address is not None:
+            # ctypes releases the GIL around memmove, so copies overlap with hashing threads.
+            ctypes.memmove(out_address, self.address + offset, n)
+        else:
+            assert self.view is not None
+            out[:n] = self.view[offset:offset + n]
+
+    def changed(self) -> str | None:
+        """Why the caller's object no longer matches what was planned, or None."""
+        now = signature(self.obj)
+        if now[0] != self.signature[0]:
+            return f"buffer {self.name!r} changed size from {self.signature[0]} to {now[0]} bytes during the save"
+        if now[1] != self.signature[1]:
+            return f"buffer {self.name!r} was reallocated (moved in memory) during the save"
+        return None
+
+
+def _is_torch(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage") and "torch" in sys.modules
+
+
+def _is_numpy(obj: Any) -> bool:
+    return hasattr(obj, "__array_interface__") and hasattr(obj, "dtype") and hasattr(obj, "flags")
+
+
+def signature(obj: Any) -> tuple[int, int | None]:
+    """(bytes, address) of a buffer now; used to detect resizes during a save."""
+    if _is_torch(obj):
+        return int(obj.numel() * obj.element_size()), int(obj.data_ptr())
+    if _is_numpy(obj):
+        return int(obj.nbytes), int(obj.__array_interface__["data"][0])
+    if isinstance(obj, StreamSource):
+        return int(obj.nbytes), None
+    with memoryview(obj) as mv:
+        return mv.nbytes, None
+
+
+def _address(mv: memoryview, obj: Any) -> int | None:
+    if not mv.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    if isinstance(obj, bytes):
+        # c_char_p of a bytes object points at its own storage (no copy).
+        return ctypes.cast(ctypes.c_char_p(obj), ctypes.c_void_p).value
+    return None
+
+
+def to_source(name: str, obj: Any) -> Source:
+    if not isinstance(name, str) or not name:
+        raise UserError(f"checkpoint keys must be non-empty strings; got {name!r}")
+    if _is_torch(obj):
+        import torch  # already imported by the caller (checked by _is_torch)
+
+        t = obj.detach()
+        if not t.is_contiguous():
+            raise UserError(f"tensor {name!r} is not contiguous; save tensor.contiguous() instead")
+        if t.device.type != "cpu":
+            # Device memory is copied block by block straight into the pool (bounded host memory;
+            # for an async save this device-to-host copy is the snapshot).
+            return Source(name, int(t.numel() * t.element_size()), "torch", str(obj.dtype).removeprefix("torch."),
+                          list(obj.shape), None, None, obj, signature(obj), t.reshape(-1).view(torch.uint8))
+        flat = t.reshape(-1).view(torch.uint8).numpy()
+        mv = memoryview(flat)
+        return Source(name, mv.nbytes, "torch", str(obj.dtype).removeprefix("torch."), list(obj.shape), mv,
+                      int(flat.__array_interface__["data"][0]), obj, signature(obj))
+    if _is_numpy(obj):
+        if obj.dtype.hasobject:
+            raise UserError(f"array {name!r} holds Python objects (dtype {obj.dtype}); only plain numeric arrays can be saved")
+        if not obj.flags.c_contiguous:
+            raise UserError(f"array {name!r} is not C-contiguous; save numpy.ascontiguousarray(...) of it instead")
+        flat = obj.reshape(-1).view("u1")
+        mv = memoryview(flat)
+        return Source(name, mv.nbytes, "numpy", obj.dtype.str, list(obj.shape), mv,
+                      int(obj.__array_interface__["data"][0]), obj, signature(obj))
+    if isinstance(obj, StreamSource):
+        return Source(name, int(obj.nbytes), "stream", None, None, None, None, obj, signature(obj))
+    if isinstance(obj, str):
+        raise UserError(f"value of {name!r} is a str; encode it to bytes first")
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise UserError(
+            f"value of {name!r} ({type(obj).__name__}) is not a buffer; pass bytes, memoryview, a numpy array or a torch tensor"
+        ) from None
+    if not mv.c_contiguous:
+        raise UserError(f"buffer {name!r} is not contiguous; pass a contiguous copy")
+    flat_mv = mv.cast("B") if (mv.ndim != 1 or mv.format != "B") else mv
+    return Source(name, flat_mv.nbytes, "bytes", None, None, flat_mv, _address(flat_mv, obj), obj, (flat_mv.nbytes, None))
+
+
+def to_sources(state: Mapping[str, Any]) -> list[Source]:
+    if not isinstance(state, Mapping):
+        raise UserError(f"save() takes a mapping of names to buffers; got {type(state).__name__}")
+    return [to_source(k, v) for k, v in list(state.items())]
+
+
+def writable_view(name: str, obj: Any) -> memoryview:
+    """A flat writable byte view of a destination buffer for load(into=...)."""
+    if _is_torch(obj):
+        import torch
+
+        if obj.device.type != "cpu" or not obj.is_contiguous():
+            raise UserError(f"load into {name!r}: the tensor must be a contiguous CPU tensor")
+        return memoryview(obj.reshape(-1).view(torch.uint8).numpy())
+    if _is_numpy(obj):
+        if not obj.flags.c_contiguous or not obj.flags.writeable:
+            raise UserError(f"load into {name!r}: the array must be C-contiguous and writeable")
+        return memoryview(obj.reshape(-1).view("u1"))
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise UserError(f"load into {name!r}: {type(obj).__name__} is not a writable buffer") from None
+    if mv.readonly or not mv.c_contiguous:
+        raise UserError(f"load into {name!r}: the buffer must be writable and contiguous (e.g. a bytearray)")
+    return mv.cast("B") if (mv.ndim != 1 or mv.format != "B") else mv
+
+
+def allocate(entry: Mapping[str, Any]) -> tuple[Any, memoryview]:
+    """A new object shaped like a saved buffer (numpy/torch when they are installed) and its byte view."""
+    kind, nbytes = entry["kind"], int(entry["nbytes"])
+    if kind == "torch":
+        try:
+            import torch
+        except ImportError:
+            kind = "numpy" if _numpy_dtype_ok(entry) else "bytes"
+        else:
+            t = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+            return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    if kind == "numpy":
+        try:
+            import numpy as np
+        except ImportError:
+            kind = "bytes"
+        else:
+            a = np.empty(entry["shape"], dtype=np.dtype(entry["dtype"]))
+            return a, memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    b = bytearray(nbytes)
+    return b, memoryview(b)
+
+
+def _numpy_dtype_ok(entry: Mapping[str, Any]) -> bool:
+    try:
+        import numpy as np
+
+        np.dtype(entry["dtype"])
+        return True
+    except (ImportError, TypeError):
+        return False
+
+
+class SyntheticSource:
+    """Pseudo-random bytes of any size from a small pattern: the benchmark's checkpoint.
+
+    The pattern length is not a multiple of the block size, so no two blocks are identical.
+    """
+
+    def __init__(self, nbytes: int, pattern_bytes: int = (8 << 20) + 4093, seed: int | None = None) -> None:
+        import random
+
+        self.nbytes = nbytes
+        rnd = random.Random(seed)
+        self._pattern = bytearray(rnd.randbytes(pattern_bytes)) * 2 if seed is not None else bytearray(os.urandom(pattern_bytes)) * 2
+        self._plen = pattern_bytes
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._pattern))
+
+    def copy_into(self, offset: int, out: memoryview) -> None:
+        pos, done, n = offset % self._plen, 0, len(out)
+        out_addr = ctypes.addressof(ctypes.c_char.from_buffer(out)) if not out.readonly else None
+        while done < n:
+            take = min(n - done, self._plen)
+            if out_addr is not None:
+                ctypes.memmove(out_addr + done, self._addr + pos, take)
+            else:
+                out[done:done + take] = self._pattern[pos:pos + take]
+            done += take
+            pos = (pos + take) % self._plen

@@ -1,0 +1,1 @@
+"""tiered_ckpt.tiers."""
