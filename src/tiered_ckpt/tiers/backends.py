@@ -32,7 +32,7 @@ from tiered_ckpt.tiers.hsm import HsmState, Lfs
 
 
 class ImportJobs(Protocol):
-    """What restore needs from arm.AmlfsJobs (helper C1's ARM client)."""
+    """What restore needs from arm.AmlfsJobs (the ARM client, tiers/arm.py)."""
 
     def import_prefixes(self, prefixes: list[str], conflict_mode: str = ...) -> Any: ...
 
@@ -310,7 +310,7 @@ class AmlfsBackend(TierBackend):
 
 
 def make_jobs(cfg: NodeConfig) -> ImportJobs:
-    """helper C1's ARM client (azure-mgmt-storagecache); ConfigError names any missing amlfs.* setting."""
+    """The ARM client (azure-mgmt-storagecache, tiers/arm.py); ConfigError names any missing amlfs.* setting."""
     from tiered_ckpt.tiers import arm
 
     return arm.AmlfsJobs.from_config(cfg)
