@@ -4,7 +4,7 @@ AMLFS auto-export copies new and changed files but never propagates renames, mov
 deletes to Blob. So nothing here renames: every data file is written under its final name,
 fsynced, and only then is ``COMMITTED.json`` created (O_EXCL, final name, fsynced together
 with its directory). A checkpoint is committed if and only if its marker is valid (see
-`parse_marker`: a strict schema) and names every file with the right size. A torn marker
+io/marker.py: a strict schema) and names every file with the right size. A torn marker
 (crash mid-write) does not parse, so the checkpoint simply is not committed. On delete the
 marker goes first, so a crash halfway never leaves a directory that looks committed. There
 is no "latest" pointer: the newest committed checkpoint is found by scanning markers.
@@ -17,306 +17,34 @@ blocks on it (every open goes through fsafe: regular files only, never a symlink
 from __future__ import annotations
 
 import errno
-import json
 import os
-import re
 import shutil
 import stat
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tiered_ckpt.errors import ConflictError, UserError
 from tiered_ckpt.io import fsafe
-from tiered_ckpt.io.hashing import ALGORITHM
+
+# The marker's format lives in io/marker.py; the protocol's users get its names from here.
+from tiered_ckpt.io.marker import (
+    FORMAT,
+    MARKER,
+    MAX_MARKER_BYTES,
+    FileEntry,
+    InvalidMarker,
+    Manifest,
+    parse_marker,
+    path_problem,
+    validate,
+)
 from tiered_ckpt.naming import CheckpointId, parse_name
 
-MARKER = "COMMITTED.json"
-FORMAT = "tiered-ckpt/1"
-# A marker is small (a few KiB per rank); anything far larger is not one of ours, and reading
-# it whole would let a planted file exhaust memory.
-MAX_MARKER_BYTES = 256 << 20
-_MAX_INT = 2 ** 63 - 1                 # sizes and offsets: what a file offset (off_t) can hold
-_NAME_MAX = 255                        # bytes per path component (Linux NAME_MAX, Lustre too)
-_PATH_MAX = 4096                       # bytes per path (Linux PATH_MAX)
-_HEX = {ALGORITHM: re.compile(r"[0-9a-f]{32}")}        # xxh3-128: 128 bits, lowercase hex
-_SAVE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_RANK_KEY = re.compile(r"0|[1-9][0-9]*")
-_KEYS = {"epoch", "step", "files", "world_size", "hash_algo", "created_utc", "index", "format", "save_id"}
-_REQUIRED = {"epoch", "step", "files", "format"}
-_FILE_KEYS = {"path", "size", "hash", "rank"}
-_BUFFER_KEYS = {"kind", "dtype", "shape", "nbytes", "segments"}
-
-
-class InvalidMarker(ValueError):
-    """A marker that is not a valid manifest; str(err) says why (one line)."""
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str            # relative to the checkpoint directory, '/'-separated
-    size: int
-    hash: str | None     # hex xxh3-128 of the content, computed inline while writing
-    rank: int = 0
-
-
-@dataclass
-class Manifest:
-    epoch: int
-    step: int
-    files: list[FileEntry]
-    world_size: int = 1
-    hash_algo: str = ALGORITHM
-    created_utc: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
-    # Writer-owned description of where each saved buffer lives (name -> file, offset, ...).
-    index: dict[str, Any] = field(default_factory=dict)
-    format: str = FORMAT
-    save_id: str | None = None   # which save wrote it (every file name of that save carries it)
-
-    @property
-    def id(self) -> CheckpointId:
-        return CheckpointId(self.epoch, self.step)
-
-    @property
-    def name(self) -> str:
-        return self.id.name
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-    def to_json(self) -> bytes:
-        d = asdict(self)
-        if d["save_id"] is None:
-            del d["save_id"]      # byte-compatible with markers of the released version
-        return json.dumps(d, indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> Manifest:
-        """Parse and validate a marker; InvalidMarker (a ValueError) says why it is not one."""
-        return parse_marker(data)
-
-
-# -- validation ---------------------------------------------------------------------------------
-
-def _show(v: Any, limit: int = 80) -> str:
-    """A value for a message: repr (so NUL, newlines and odd characters are visible), bounded."""
-    r = repr(v)
-    return r if len(r) <= limit else r[:limit] + "..."
-
-
-def _int(v: Any, what: str, lo: int = 0) -> int:
-    # bool is an int subclass in Python; JSON true/false is not a size or a step.
-    if type(v) is not int:
-        raise InvalidMarker(f"{what} is {_show(v)}, not an integer")
-    if not lo <= v <= _MAX_INT:
-        raise InvalidMarker(f"{what} is {v}, outside {lo}..{_MAX_INT}")
-    return v
-
-
-def _str(v: Any, what: str) -> str:
-    if not isinstance(v, str):
-        raise InvalidMarker(f"{what} is {_show(v)}, not a string")
-    return v
-
-
-def path_problem(p: str) -> str | None:
-    """Why `p` is not a safe file path inside a checkpoint directory, or None."""
-    if not p:
-        return "is empty"
-    if "\0" in p:
-        return "contains a NUL character"
-    try:
-        raw = p.encode("utf-8")
-    except UnicodeEncodeError:
-        return "is not valid UTF-8"
-    if len(raw) > _PATH_MAX:
-        return f"is {len(raw)} bytes long (more than {_PATH_MAX})"
-    if p.startswith("/"):
-        return "is absolute (must be relative to the checkpoint directory)"
-    parts = p.split("/")
-    for c in parts:
-        if c in ("", "."):
-            return "has an empty or '.' component (not normalized)"
-        if c == "..":
-            return "has a '..' component (points outside the checkpoint directory)"
-        if len(c.encode("utf-8")) > _NAME_MAX:
-            return f"has a component of {len(c.encode('utf-8'))} bytes (more than {_NAME_MAX})"
-    if parts[0] == MARKER:
-        return f"names the marker {MARKER} itself"
-    return None
-
-
-def _file_entry(d: Any, i: int, hash_re: re.Pattern[str], world_size: int) -> FileEntry:
-    what = f"files[{i}]"
-    if not isinstance(d, dict):
-        raise InvalidMarker(f"{what} is {_show(d)}, not a mapping")
-    missing, extra = {"path", "size", "hash"} - set(d), set(d) - _FILE_KEYS
-    if missing or extra:
-        raise InvalidMarker(f"{what} " + (f"lacks {sorted(missing)}" if missing else f"has unknown keys {_show(sorted(extra))}"))
-    path = _str(d["path"], f"{what}.path")
-    why = path_problem(path)
-    if why:
-        raise InvalidMarker(f"file path {_show(path)} {why}")
-    size = _int(d["size"], f"size of {_show(path)}")
-    h = d["hash"]
-    if h is not None and not (isinstance(h, str) and hash_re.fullmatch(h)):
-        raise InvalidMarker(f"hash of {_show(path)} is {_show(h)}, not null or a {hash_re.pattern} hex digest")
-    rank = _int(d.get("rank", 0), f"rank of {_show(path)}")
-    if rank >= world_size:
-        raise InvalidMarker(f"rank of {_show(path)} is {rank}, but world_size is {world_size}")
-    return FileEntry(path, size, h, rank)
-
-
-def _check_tree(files: list[FileEntry]) -> None:
-    """No duplicates, and no listed file is also a directory of another listed file."""
-    paths: set[str] = set()
-    for f in files:
-        if f.path in paths:
-            raise InvalidMarker(f"file path {_show(f.path)} is listed twice")
-        paths.add(f.path)
-    for f in files:
-        parts = f.path.split("/")
-        for i in range(1, len(parts)):
-            d = "/".join(parts[:i])
-            if d in paths:
-                raise InvalidMarker(f"{_show(d)} is listed as a file and as a directory of {_show(f.path)}")
-
-
-def _check_buffer(e: Any, where: str, rank: int, files: Mapping[str, FileEntry]) -> None:
-    if not isinstance(e, dict):
-        raise InvalidMarker(f"{where} is {_show(e)}, not a mapping")
-    if set(e) != _BUFFER_KEYS:
-        raise InvalidMarker(f"{where} has keys {_show(sorted(e))}, expected {sorted(_BUFFER_KEYS)}")
-    _str(e["kind"], f"{where}.kind")
-    if e["dtype"] is not None:
-        _str(e["dtype"], f"{where}.dtype")
-    nbytes = _int(e["nbytes"], f"{where}.nbytes")
-    shape = e["shape"]
-    if shape is not None:
-        if not isinstance(shape, list):
-            raise InvalidMarker(f"{where}.shape is {_show(shape)}, not a list or null")
-        count = 1
-        for k, n in enumerate(shape):
-            count *= _int(n, f"{where}.shape[{k}]")
-            count = min(count, _MAX_INT + 1)
-        # Each element takes a whole number of bytes (>= 1): a shape that disagrees would make
-        # load() allocate far more (or less) than the bytes it reads.
-        if count > nbytes or (count and nbytes % count) or (not count and nbytes):
-            raise InvalidMarker(f"{where}.shape {_show(shape)} does not fit its {nbytes} bytes")
-    segs = e["segments"]
-    if not isinstance(segs, list):
-        raise InvalidMarker(f"{where}.segments is {_show(segs)}, not a list")
-    checked: list[tuple[int, int, int, str]] = []
-    for k, s in enumerate(segs):
-        sw = f"{where}.segments[{k}]"
-        if not isinstance(s, list) or len(s) != 4:
-            raise InvalidMarker(f"{sw} is {_show(s)}, not [path, file_offset, nbytes, src_offset]")
-        path = _str(s[0], f"{sw} path")
-        f = files.get(path)
-        if f is None:
-            raise InvalidMarker(f"{sw} points at {_show(path)}, which the marker does not list")
-        if f.rank != rank:
-            raise InvalidMarker(f"{sw} points at {_show(path)}, a file of rank {f.rank}")
-        off, n, src = (_int(v, f"{sw}[{j}]") for j, v in ((1, s[1]), (2, s[2]), (3, s[3])))
-        if off + n > f.size:
-            raise InvalidMarker(f"{sw} ends at byte {off + n} of {_show(path)}, which has {f.size}")
-        checked.append((src, n, off, path))
-    covered = 0
-    for src, n, _, _ in sorted(checked):
-        if src != covered:
-            raise InvalidMarker(f"{where}: segments leave a gap or overlap at byte {min(src, covered)}")
-        covered += n
-    if covered != nbytes:
-        raise InvalidMarker(f"{where}: segments cover {covered} bytes, nbytes says {nbytes}")
-
-
-def _check_index(index: Any, files: list[FileEntry], world_size: int) -> None:
-    if not isinstance(index, dict):
-        raise InvalidMarker(f"index is {_show(index)}, not a mapping")
-    extra = set(index) - {"save_id", "ranks"}
-    if extra:
-        raise InvalidMarker(f"index has unknown keys {_show(sorted(extra))}")
-    sid = index.get("save_id")
-    if sid is not None:
-        _str(sid, "index.save_id")
-    ranks = index.get("ranks", {})
-    if not isinstance(ranks, dict):
-        raise InvalidMarker(f"index.ranks is {_show(ranks)}, not a mapping")
-    by_path = {f.path: f for f in files}
-    for rk, bufs in ranks.items():
-        if not _RANK_KEY.fullmatch(rk) or int(rk) >= world_size:
-            raise InvalidMarker(f"index.ranks has key {_show(rk)}, not a rank 0..{world_size - 1}")
-        if not isinstance(bufs, dict):
-            raise InvalidMarker(f"index of rank {rk} is {_show(bufs)}, not a mapping")
-        for name, e in bufs.items():
-            _check_buffer(e, f"buffer {_show(name)} of rank {rk}", int(rk), by_path)
-
-
-def _created(v: Any) -> str:
-    s = _str(v, "created_utc")
-    try:
-        if len(s) > 64:
-            raise ValueError
-        datetime.fromisoformat(s)
-    except ValueError:
-        raise InvalidMarker(f"created_utc is {_show(s)}, not an ISO-8601 time") from None
-    return s
-
-
-def validate(d: Any) -> Manifest:
-    """A Manifest from a decoded marker, or InvalidMarker saying why it is not one.
-
-    Accepts every marker the released writer produced (all of these hold for it); anything
-    else that a reader, a restore or retention could trip over or be misled by is refused.
-    """
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise InvalidMarker(f"not a {FORMAT} manifest")
-    missing, extra = _REQUIRED - set(d), set(d) - _KEYS
-    if missing:
-        raise InvalidMarker(f"lacks {sorted(missing)}")
-    if extra:
-        raise InvalidMarker(f"has unknown keys {_show(sorted(extra))}")
-    epoch, step = _int(d["epoch"], "epoch"), _int(d["step"], "step")
-    world_size = _int(d.get("world_size", 1), "world_size", lo=1)
-    algo = _str(d.get("hash_algo", ALGORITHM), "hash_algo")
-    hash_re = _HEX.get(algo)
-    if hash_re is None:
-        raise InvalidMarker(f"hash_algo is {_show(algo)}; this version knows {sorted(_HEX)}")
-    created = _created(d["created_utc"]) if "created_utc" in d else datetime.now(timezone.utc).isoformat()
-    sid = d.get("save_id")
-    if sid is not None and not (isinstance(sid, str) and _SAVE_ID.fullmatch(sid)):
-        raise InvalidMarker(f"save_id is {_show(sid)}, not null or a name matching {_SAVE_ID.pattern}")
-    raw_files = d["files"]
-    if not isinstance(raw_files, list):
-        raise InvalidMarker(f"files is {_show(raw_files)}, not a list")
-    if not raw_files:
-        raise InvalidMarker("files is empty (a save always lists at least its part manifest)")
-    files = [_file_entry(f, i, hash_re, world_size) for i, f in enumerate(raw_files)]
-    _check_tree(files)
-    index = d.get("index", {})
-    _check_index(index, files, world_size)
-    return Manifest(epoch=epoch, step=step, files=files, world_size=world_size, hash_algo=algo,
-                    created_utc=created, index=index, save_id=sid)
-
-
-def parse_marker(data: bytes | str, name: str | None = None) -> Manifest:
-    """Validate a marker's bytes (from disk or from Blob); InvalidMarker says why not.
-
-    `name`: the checkpoint directory the marker was found in; its epoch/step must match it.
-    """
-    try:
-        d = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidMarker(f"does not parse ({e})") from None
-    except RecursionError:
-        raise InvalidMarker("does not parse (nested too deeply)") from None
-    m = validate(d)
-    if name is not None and m.name != name:
-        raise InvalidMarker(f"names checkpoint {m.name}, but it is in {_show(name)}")
-    return m
+__all__ = ["FORMAT", "MARKER", "MAX_MARKER_BYTES", "CheckpointInfo", "FileEntry", "InvalidMarker", "Manifest",
+           "committed", "find", "fsync_dir", "inspect", "latest_committed", "model_dir", "parse_marker", "path_problem",
+           "read_marker", "read_marker_checked", "remove_checkpoint", "require_root", "scan", "size_problems",
+           "validate", "write_marker"]
 
 
 # -- the marker on disk -------------------------------------------------------------------------
