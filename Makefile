@@ -42,6 +42,7 @@ install: $(STAMP) $(AZURITE) debs
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	PYTHONPATH=src:. $(BIN)/lint-imports
 
 unit: install
 	$(BIN)/pytest $(PYTEST_ARGS)
