@@ -160,20 +160,6 @@ def read_marker(ckpt_dir: str | os.PathLike[str], *, anchor: str | os.PathLike[s
     return read_marker_checked(ckpt_dir, anchor=anchor)[0]
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device node"
-    return "not a regular file"
-
-
 def _size_problems_at(dfd: int, ckpt_dir: Path, manifest: Manifest) -> list[str]:
     problems: list[str] = []
     dirs: dict[str, int] = {"": dfd}       # opened subdirectories, no symlink followed
@@ -198,7 +184,7 @@ def _size_problems_at(dfd: int, ckpt_dir: Path, manifest: Manifest) -> list[str]
                 problems.append(f"{p}: {_why(e)}")
                 continue
             if not stat.S_ISREG(st.st_mode):     # lstat: a symlink is not its target
-                problems.append(f"{p}: {_kind(st.st_mode)}, not a regular file")
+                problems.append(f"{p}: {fsafe.kind(st.st_mode)}, not a regular file")
             elif st.st_size != f.size:
                 problems.append(f"{p}: {st.st_size} bytes, manifest says {f.size}")
     finally:

@@ -44,7 +44,8 @@ class UnsafePath(OSError):
     """A path in the checkpoint tree is a symlink, a FIFO, a device, a hard link or outside the tree."""
 
 
-def _kind(mode: int) -> str:
+def kind(mode: int) -> str:
+    """What a file of this st_mode is, in words (for messages)."""
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     if stat.S_ISFIFO(mode):
@@ -87,7 +88,7 @@ def _open_dirs(base: Path, parts: tuple[str, ...], full: Path) -> int:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
                     try:
                         st = os.lstat(p, dir_fd=fd)
-                        what = _kind(st.st_mode)
+                        what = kind(st.st_mode)
                     except OSError:
                         what = "not a directory"
                     raise _refuse(full, f"{what} where a directory was expected") from None
@@ -143,7 +144,7 @@ def _open_dirs_at(fd: int, part: str, full: Path) -> int:
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             try:
-                what = _kind(os.lstat(part, dir_fd=fd).st_mode)
+                what = kind(os.lstat(part, dir_fd=fd).st_mode)
             except OSError:
                 what = "not a directory"
             raise _refuse(full, f"{what} where a directory was expected") from None
@@ -186,7 +187,7 @@ def open_file(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int 
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENXIO, errno.EWOULDBLOCK):
                 try:
-                    what = _kind(os.lstat(name, dir_fd=dir_fd).st_mode)
+                    what = kind(os.lstat(name, dir_fd=dir_fd).st_mode)
                 except OSError:
                     what = "not a regular file"
                 raise _refuse(p, what) from None
@@ -194,7 +195,7 @@ def open_file(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int 
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise _refuse(p, _kind(st.st_mode))
+                raise _refuse(p, kind(st.st_mode))
             if flags & _WRITE_MASK and st.st_nlink > 1:
                 raise _refuse(p, f"a file with {st.st_nlink} hard links")
             if _NONBLOCK:

@@ -505,7 +505,7 @@ def _open_subdir(parent_fd: int, name: str, path: Path, create: bool) -> tuple[i
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             try:
-                what = fsafe._kind(os.lstat(name, dir_fd=parent_fd).st_mode)
+                what = fsafe.kind(os.lstat(name, dir_fd=parent_fd).st_mode)
             except OSError:
                 what = "not a directory"
             raise UserError(f"{path} is {what}, not a directory; refused (a save never writes through a symlink "
