@@ -127,7 +127,7 @@ def bench_restore(total_mib: int, n_files: int, rounds: int, work: Path) -> dict
         def run_ours() -> None:
             shutil.rmtree(root, ignore_errors=True)
             t0 = time.monotonic()
-            r = restore(cfg, LocalBackend(cfg, store), None, progress=False)
+            r = restore(cfg, LocalBackend(cfg, store), None)
             ours.append(time.monotonic() - t0)
             assert r.source == "archive" and r.bytes == total
 

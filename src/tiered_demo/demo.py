@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 
 from tiered_ckpt import api
+from tiered_ckpt.cli.output import progress_bars
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig, RetentionConfig, validate
 from tiered_ckpt.errors import ConflictError, IntegrityError, UnavailableError, UserError
 from tiered_ckpt.io import commit as mf
@@ -182,8 +183,8 @@ class Demo:
         now = self.now()
         with self.lock:
             self.retention_runs += 1
-            self.final_plan = [{"checkpoint": d.name, "decision": d.action, "reason": d.reason} for d in res.plan.decisions]
-            for d in res.plan.decisions:
+            self.final_plan = [{"checkpoint": d.name, "decision": d.action, "reason": d.reason} for d in res.decisions]
+            for d in res.decisions:
                 r = self.reports.get(d.name)
                 # Blocked decisions (not yet archived) are the interesting "keep" ones: log each once.
                 if d.action == "blocked" and self.decided.get(d.name) != d.reason:
@@ -284,7 +285,8 @@ class Demo:
         say("accelerator layer wiped: restoring the newest committed checkpoint from Blob")
 
         start = self.now()
-        result = restore(cfg, make_backend(cfg), None, verify=True, progress=o.progress)
+        with progress_bars(enabled=o.progress) as bars:
+            result = restore(cfg, make_backend(cfg), None, verify=True, progress=bars)
         end = self.now()
         self.timeline.add(RESTORE, start, end, result.name)
         loaded = api.load(result.name, config=cfg, verify_hash=True)

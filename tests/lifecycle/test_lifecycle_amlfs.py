@@ -62,7 +62,7 @@ def test_proof_is_batched_and_needs_lfs_and_blob(aml) -> None:
     cc.delete_blob("checkpoints/m/global_epoch0_step10/r3 x:y.bin")
     p = prove(backend_of(cfg, store), infos)["global_epoch0_step10"]
     assert not p.archived and "missing although lfs hsm_state says archived" in p.blocked_reason()
-    d = {x.name: x for x in ret.plan(cfg, backend_of(cfg, store), ret.Policy(keep_last=1, min_keep=1)).decisions}
+    d = {x.name: x for x in ret.evaluate(cfg, backend_of(cfg, store), ret.Policy(keep_last=1, min_keep=1)).decisions}
     assert d["global_epoch0_step10"].action == "blocked" and "r3 x:y.bin" in d["global_epoch0_step10"].reason
 
 
@@ -75,7 +75,7 @@ def test_dirty_lost_noarchive_block(aml, flag: str, why: str) -> None:
     subprocess.run([str(FAKE_LFS), "hsm_set", flag, str(d / "rank0_shard1.bin")], check=True)
     res = ret.apply(cfg, backend_of(cfg, store), ret.Policy(keep_last=1, min_keep=1))
     assert res.done == [] and d.exists()
-    blocked = {x.name: x.reason for x in res.plan.decisions}["global_epoch0_step10"]
+    blocked = {x.name: x.reason for x in res.decisions}["global_epoch0_step10"]
     assert "rank0_shard1.bin" in blocked and why in blocked
 
 
@@ -107,7 +107,7 @@ def test_release_then_restore_released_with_hsm_restore(aml, monkeypatch: pytest
     assert tiers["global_epoch0_step10"] == "released" and tiers["global_epoch0_step30"] == "archived"
     assert ret.apply(cfg, backend, ret.Policy(keep_last=1, min_keep=1, action="release")).done == []
     monkeypatch.setenv("FAKE_LFS_RESTORE_POLLS", "2")                 # restore completes asynchronously
-    r = restore(cfg, backend, "global_epoch0_step10", verify=True, progress=False)
+    r = restore(cfg, backend, "global_epoch0_step10", verify=True)
     assert (r.source, r.prefetched_files) == ("released", 6)
     states, _ = Lfs(str(FAKE_LFS)).states([str(Path(r.path) / f"s{i}.bin") for i in range(6)])
     assert not any(s.released for s in states.values())
@@ -141,7 +141,7 @@ def test_restore_deleted_checkpoint_through_an_import_job(aml, arm_env, capsys) 
     backend = backend_of(cfg, store)
     assert ret.apply(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).done == ["delete global_epoch0_step10"]
     arm_env.scenario.import_hook = _import_hook(cfg, store)
-    r = restore(cfg, backend, "global_epoch0_step10", verify=True, progress=False)
+    r = restore(cfg, backend, "global_epoch0_step10", verify=True)
     assert r.source == "archive" and mf.find(cfg.root, "m", r.name).committed  # type: ignore[union-attr]
     jobs = list(arm_env.import_jobs().values())
     assert jobs[0]["properties"]["importPrefixes"] == ["/checkpoints/m/global_epoch0_step10/"]

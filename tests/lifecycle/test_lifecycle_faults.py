@@ -50,13 +50,13 @@ def test_archive_unreachable_mid_restore_leaves_nothing_that_looks_complete(priv
     shutil.rmtree(cfg.root)
     seen = [0]
 
-    def stop_after_first_bytes(n: int) -> None:
-        seen[0] += n
+    def stop_after_first_bytes(what: str, done: int, total: int) -> None:
+        seen[0] = done
         if private_azurite.proc is not None:
             private_azurite.stop()                 # the archive disappears while data is arriving
 
     with pytest.raises(UnavailableError, match="unreachable"):
-        restore(cfg, LocalBackend(cfg, store), None, progress=False, on_bytes=stop_after_first_bytes)
+        restore(cfg, LocalBackend(cfg, store), None, progress=stop_after_first_bytes)
     assert seen[0] > 0
     d = Path(cfg.root) / "m" / "global_epoch0_step10"
     assert not (d / mf.MARKER).exists()
@@ -67,8 +67,8 @@ def test_restart_uses_the_resident_newest_when_the_archive_is_down(private_azuri
     cfg = local_cfg(tmp_path / "root", private_azurite.connection_string, "ckpts")
     make_checkpoint(cfg.root, "m", 0, 10)
     private_azurite.stop()
-    r = restore(cfg, LocalBackend(cfg, BlobStore(cfg.archive, backoff=0.01)), None, progress=False)
+    r = restore(cfg, LocalBackend(cfg, BlobStore(cfg.archive, backoff=0.01)), None)
     assert (r.name, r.source) == ("global_epoch0_step10", "resident") and "archive not consulted" in r.warnings[0]
     shutil.rmtree(cfg.root)
     with pytest.raises(UnavailableError):
-        restore(cfg, LocalBackend(cfg, BlobStore(cfg.archive, backoff=0.01)), None, progress=False)
+        restore(cfg, LocalBackend(cfg, BlobStore(cfg.archive, backoff=0.01)), None)

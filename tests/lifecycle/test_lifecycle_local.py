@@ -93,7 +93,7 @@ def test_retention_apply_end_to_end_and_restore_latest_after_wipe(env, tmp_path:
     make_checkpoint(cfg.root, "m", 0, 5)                                 # committed, not yet exported
     backend = LocalBackend(cfg, store)
     policy = ret.Policy.from_config(cfg.retention)
-    pl = {d.name: d for d in ret.plan(cfg, backend, policy).decisions}
+    pl = {d.name: d for d in ret.evaluate(cfg, backend, policy).decisions}
     assert pl["global_epoch0_step5"].action == "blocked" and "rank0_shard0.bin" in pl["global_epoch0_step5"].reason
     assert pl["global_epoch0_step50"].action == "skip"
     res = ret.apply(cfg, backend, policy)
@@ -103,16 +103,16 @@ def test_retention_apply_end_to_end_and_restore_latest_after_wipe(env, tmp_path:
     assert "checkpoints/m/global_epoch0_step10/COMMITTED.json" in blob_names(cc)  # archive keeps everything
     assert ret.apply(cfg, backend, policy).done == []                    # idempotent
     # Restoring the deleted one by name comes from the archive, marker last, hashes verified.
-    r = restore(cfg, backend, "global_epoch0_step10", verify=True, progress=False)
+    r = restore(cfg, backend, "global_epoch0_step10", verify=True)
     assert r.source == "archive" and mf.find(cfg.root, "m", "global_epoch0_step10").committed  # type: ignore[union-attr]
     # Lose the accelerator layer, then restore the newest committed anywhere.
     import shutil
 
     shutil.rmtree(cfg.root)
-    r = restore(cfg, backend, None, verify=True, progress=False)
+    r = restore(cfg, backend, None, verify=True)
     assert (r.name, r.source, r.verified) == ("global_epoch0_step40", "archive", True)
     assert mf.latest_committed(cfg.root, "m").name == "global_epoch0_step40"  # type: ignore[union-attr]
-    assert restore(cfg, backend, None, progress=False).source == "resident"
+    assert restore(cfg, backend, None).source == "resident"
     # Restored data files keep their exported mtime: the exporter has nothing to re-upload but the marker.
     assert Exporter(cfg, store, status_path=tmp_path / "st.json").discover()[0][0].endswith(mf.MARKER)
     assert len(Exporter(cfg, store, status_path=tmp_path / "st.json").discover()) == 1
@@ -140,7 +140,7 @@ def test_hash_mismatch_on_restore_names_the_file_and_leaves_no_marker(env, tmp_p
 
     shutil.rmtree(cfg.root)
     with pytest.raises(IntegrityError, match="rank0_shard1.bin"):
-        restore(cfg, LocalBackend(cfg, store), None, verify=True, progress=False)
+        restore(cfg, LocalBackend(cfg, store), None, verify=True)
     assert not (Path(cfg.root) / "m" / "global_epoch0_step10" / mf.MARKER).exists()
     assert mf.latest_committed(cfg.root, "m") is None
 
@@ -149,9 +149,10 @@ def test_lock_held_by_another_process_is_a_conflict(env) -> None:
     cfg, store, _ = env
     make_checkpoint(cfg.root, "m", 0, 10)
     lp = lock_path(cfg.root, "m")
-    code = ("import sys,time; sys.path.insert(0,'scripts'); from tiered_ckpt.io.lock import exclusive\n"
+    code = ("import time; from tiered_ckpt.io.lock import exclusive\n"
             f"with exclusive({str(lp)!r}, 'test holder'):\n print('held', flush=True); time.sleep(30)")
-    holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(ConflictError, match="test holder"):
@@ -190,13 +191,13 @@ def test_sigkill_mid_apply_then_rerun_finishes(env, tmp_path: Path) -> None:
     assert choose(cfg, backend, "global_epoch0_step10").where == "archive"        # never taken as resident
     # Restoring it instead of finishing the delete: the journal entry goes, and retention
     # no longer sees an interrupted delete (it is committed again).
-    restore(cfg, backend, "global_epoch0_step10", verify=True, progress=False)
+    restore(cfg, backend, "global_epoch0_step10", verify=True)
     assert not (Path(cfg.root) / "m" / ".retention-journal" / "global_epoch0_step10.deleting").exists()
     mf.remove_checkpoint(victim)     # as it was: half-deleted, journal entry back
     (victim / "f0.bin").parent.mkdir(parents=True, exist_ok=True)
     (victim / "f0.bin").write_bytes(b"x" * 100)
     (Path(cfg.root) / "m" / ".retention-journal" / "global_epoch0_step10.deleting").write_text("t")
-    plan = {d.name: d.action for d in ret.plan(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).decisions}
+    plan = {d.name: d.action for d in ret.evaluate(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).decisions}
     assert plan["global_epoch0_step10"] == "resume-delete"
     rc = cli.main(["retention", "apply", "--config", str(cfg_file), "--json"])
     assert rc == 0
@@ -352,7 +353,7 @@ def test_restore_onto_a_full_disk_is_one_user_error(env, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(store, "download_file", full)
     with pytest.raises(UserError, match=r"no space left writing .*global_epoch0_step10.*retention"):
-        restore(cfg, LocalBackend(cfg, store), progress=False)
+        restore(cfg, LocalBackend(cfg, store))
     assert mf.read_marker(d) is None and mf.latest_committed(cfg.root, "m") is None
 
 
@@ -387,6 +388,6 @@ def test_exporter_never_uploads_a_checkpoint_while_restore_downloads_it(env, tmp
         return real(rel, dest, *a, **k)
 
     monkeypatch.setattr(store, "download_file", slow)
-    res = restore(cfg, LocalBackend(cfg, store), progress=False, verify=True)
+    res = restore(cfg, LocalBackend(cfg, store), verify=True)
     assert res.source == "archive" and seen == [0]
     assert cc.download_blob("checkpoints/m/global_epoch0_step10/a.bin").readall() == good

@@ -8,7 +8,7 @@ import pytest
 
 from tiered_ckpt.config import RetentionConfig
 from tiered_ckpt.errors import ConfigError
-from tiered_ckpt.lifecycle.retention import BLOCKED, DELETE, KEEP, RELEASE, RESUME, SKIP, Candidate, Policy, decide
+from tiered_ckpt.lifecycle.policy import BLOCKED, DELETE, KEEP, RELEASE, RESUME, SKIP, Candidate, Policy, decide
 from tiered_ckpt.naming import CheckpointId
 
 NOW = datetime(2026, 1, 2, 12, 0, tzinfo=timezone.utc)

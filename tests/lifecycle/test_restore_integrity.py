@@ -70,7 +70,7 @@ def test_archive_bytes_are_hashed_without_verify_and_zeros_are_refused(env, tmp_
     shutil.rmtree(cfg.root)
     cc.upload_blob(f"{PREFIX}/b.bin", bytes(100_000), overwrite=True)      # same size, zeros
     with pytest.raises(IntegrityError) as e:
-        restore(cfg, LocalBackend(cfg, store), None, progress=False)       # no --verify
+        restore(cfg, LocalBackend(cfg, store), None)       # no --verify
     msg = str(e.value)
     assert "b.bin" in msg and "archive copy itself is damaged" in msg and "restore it again" not in msg
     assert_nothing_committed(cfg)
@@ -102,7 +102,7 @@ def test_save_id_names_restore_exactly_the_marker_generation(env, tmp_path: Path
     for p, b in v1.items():
         cc.upload_blob(f"{PREFIX}/{p}", b)
     cc.upload_blob(f"{PREFIX}/shard-r00000-000.bbbb2.bin", os.urandom(120_000))   # generation 2's data
-    r = restore(cfg, LocalBackend(cfg, store), NAME, progress=False)
+    r = restore(cfg, LocalBackend(cfg, store), NAME)
     assert (r.source, r.verified, r.check) == ("archive", True, "hashes")
     d = ckpt_dir(cfg)
     assert sorted(p.name for p in d.iterdir()) == sorted([*v1, mf.MARKER])
@@ -138,7 +138,7 @@ def test_verify_of_a_checkpoint_saved_without_hashes_says_sizes_only(env, tmp_pa
     # From the archive, a checkpoint without hashes is checked against the hash the exporter recorded.
     export(cfg, store, tmp_path)
     shutil.rmtree(cfg.root)
-    r = restore(cfg, LocalBackend(cfg, store), NAME, verify=True, progress=False)
+    r = restore(cfg, LocalBackend(cfg, store), NAME, verify=True)
     assert (r.source, r.verified, r.check) == ("archive", False, "sizes only: saved without hashes")
     assert any("without hashes" in w for w in r.warnings)
 
@@ -156,7 +156,7 @@ def test_planted_restoring_symlink_and_final_name_symlink_are_never_followed(env
     d.mkdir()
     (d / ".a.bin.restoring").symlink_to(victim)        # the fixed temp name of earlier versions
     (d / "a.bin").symlink_to(victim2)
-    r = restore(cfg, LocalBackend(cfg, store), NAME, progress=False)
+    r = restore(cfg, LocalBackend(cfg, store), NAME)
     assert victim.read_bytes() == b"secret" and victim2.read_bytes() == b"other"
     assert r.source == "archive" and r.verified
     assert not (d / "a.bin").is_symlink() and (d / "a.bin").read_bytes() == good
@@ -177,7 +177,7 @@ def test_restore_into_a_symlinked_directory_is_refused(env, tmp_path: Path, link
         shutil.rmtree(Path(cfg.root) / "m")
         (Path(cfg.root) / "m").symlink_to(outside)
     with pytest.raises(UserError, match="symbolic link") as e:
-        restore(cfg, LocalBackend(cfg, store), NAME, progress=False)
+        restore(cfg, LocalBackend(cfg, store), NAME)
     assert e.value.exit_code == 4
     assert list(outside.iterdir()) == []
 
@@ -198,7 +198,7 @@ def test_amlfs_import_of_a_damaged_archive_is_refused_and_its_marker_removed(aml
     cc.upload_blob(f"{PREFIX}/rank0_shard1.bin", bytes(size), overwrite=True)      # same size, zeros
     arm_env.scenario.import_hook = _import_hook(cfg, store)
     with pytest.raises(IntegrityError, match=r"rank0_shard1\.bin.*archive copy itself is damaged"):
-        restore(cfg, backend, NAME, progress=False)                                 # no --verify
+        restore(cfg, backend, NAME)                                 # no --verify
     assert (ckpt_dir(cfg) / "rank0_shard0.bin").exists()              # the import did bring the files...
     assert not os.path.lexists(ckpt_dir(cfg) / mf.MARKER)             # ...but nothing looks committed
     assert arm_env.kinds("autoexport.patch")[-1] == "autoexport.patch:Enable"
@@ -217,4 +217,4 @@ def test_amlfs_files_back_from_hsm_restore_are_hash_checked_without_verify(aml) 
     # keeps a released file's bytes where they are).
     (ckpt_dir(cfg) / "s1.bin").write_bytes(bytes(4096))
     with pytest.raises(IntegrityError, match=r"s1\.bin.*archive copy itself is damaged"):
-        restore(cfg, backend, NAME, progress=False)
+        restore(cfg, backend, NAME)

@@ -29,7 +29,7 @@ from tiered_ckpt.tiers.blob import BlobStore
 from tiered_demo.azurite import Azurite
 
 OLD = "global_epoch0_step10"
-ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'scripts'}:{REPO}"}
+ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
 
 
 @pytest.fixture
@@ -85,10 +85,10 @@ def test_resume_delete_spares_a_name_saved_again_after_the_plan(env, monkeypatch
                                                                 writer_drops_entry: bool) -> None:
     cfg, store = env
     killed_retention_run(cfg)
-    real_plan = ret.plan
+    real_evaluate = ret.evaluate
 
     def plan_then_resave(*a, **k):
-        pl = real_plan(*a, **k)
+        pl = real_evaluate(*a, **k)
         assert {d.name: d.action for d in pl.decisions}[OLD] == ret.RESUME
         # save() of that name completes between the plan and the act
         make_checkpoint(cfg.root, "m", 0, 10, files={"rank0_shard0.bin": b"new generation"})
@@ -96,7 +96,7 @@ def test_resume_delete_spares_a_name_saved_again_after_the_plan(env, monkeypatch
             journal.forget(cfg.root, "m", OLD)
         return pl
 
-    monkeypatch.setattr(ret, "plan", plan_then_resave)
+    monkeypatch.setattr(ret, "evaluate", plan_then_resave)
     res = ret.apply(cfg, LocalBackend(cfg, store), POLICY)
     assert f"delete {OLD}" not in res.done
     info = mf.find(cfg.root, "m", OLD)
@@ -112,7 +112,7 @@ def test_resume_delete_spares_a_save_in_flight_that_holds_the_lock(env) -> None:
         res = ret.apply(cfg, LocalBackend(cfg, store), POLICY)
     finally:
         release(saver)
-    decisions = {d.name: d for d in res.plan.decisions}
+    decisions = {d.name: d for d in res.decisions}
     assert decisions[OLD].action == ret.BUSY and "holds checkpoint" in decisions[OLD].reason
     assert (old_dir(cfg) / "rank0_shard0.bin").read_bytes() == b"being written by a new save"
 
@@ -127,7 +127,7 @@ def test_retention_skips_a_checkpoint_whose_lock_is_held_and_deletes_it_later(en
     finally:
         release(holder)
     assert f"delete {OLD}" not in res.done and mf.find(cfg.root, "m", OLD).committed  # type: ignore[union-attr]
-    assert {d.name: d.action for d in res.plan.decisions}[OLD] == ret.BUSY
+    assert {d.name: d.action for d in res.decisions}[OLD] == ret.BUSY
     # Next run, nobody holds it: deleted, with a tombstone naming the archived generation.
     res = ret.apply(cfg, LocalBackend(cfg, store), POLICY)
     assert f"delete {OLD}" in res.done and not old_dir(cfg).exists()
@@ -136,20 +136,20 @@ def test_retention_skips_a_checkpoint_whose_lock_is_held_and_deletes_it_later(en
 
 def test_retention_does_not_delete_a_checkpoint_saved_again_since_the_plan(env, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, store = env
-    real_plan = ret.plan
+    real_evaluate = ret.evaluate
 
     def plan_then_resave(*a, **k):
-        pl = real_plan(*a, **k)
+        pl = real_evaluate(*a, **k)
         assert {d.name: d.action for d in pl.decisions}[OLD] == ret.DELETE
         mf.remove_checkpoint(old_dir(cfg))      # a new generation of that name, committed, not archived
         make_checkpoint(cfg.root, "m", 0, 10, files={"rank0_shard0.bin": b"generation 2"})
         return pl
 
-    monkeypatch.setattr(ret, "plan", plan_then_resave)
+    monkeypatch.setattr(ret, "evaluate", plan_then_resave)
     res = ret.apply(cfg, LocalBackend(cfg, store), POLICY)
     assert f"delete {OLD}" not in res.done
     assert (old_dir(cfg) / "rank0_shard0.bin").read_bytes() == b"generation 2"
-    assert "changed since the plan" in {d.name: d for d in res.plan.decisions}[OLD].reason
+    assert "changed since the plan" in {d.name: d for d in res.decisions}[OLD].reason
 
 
 def test_restore_waits_for_retention_and_success_means_it_is_there(env) -> None:
@@ -158,7 +158,7 @@ def test_restore_waits_for_retention_and_success_means_it_is_there(env) -> None:
     deleter = hold_lock(cfg, OLD, "retention",
                         then=f"time.sleep(1.0); shutil.rmtree({str(old_dir(cfg))!r})")
     try:
-        r = restore(cfg, LocalBackend(cfg, store), OLD, progress=False, lock_wait=30)
+        r = restore(cfg, LocalBackend(cfg, store), OLD, lock_wait=30)
     finally:
         deleter.wait(timeout=30)
     assert (r.source, r.verified) == ("archive", True)       # decided again under the lock: not "resident"
@@ -171,7 +171,7 @@ def test_restore_gives_up_after_its_wait_with_a_clear_message(env) -> None:
     holder = hold_lock(cfg, OLD, "retention")
     try:
         with pytest.raises(ConflictError, match=r"retention.*--wait"):
-            restore(cfg, LocalBackend(cfg, store), OLD, progress=False, lock_wait=0.3)
+            restore(cfg, LocalBackend(cfg, store), OLD, lock_wait=0.3)
     finally:
         release(holder)
 
@@ -181,10 +181,10 @@ def test_a_restored_checkpoint_is_kept_for_the_restore_grace(env, tmp_path: Path
     backend = LocalBackend(cfg, store)
     assert ret.apply(cfg, backend, POLICY).done == [f"delete {OLD}", "delete global_epoch0_step20"]
     assert tombstone.present(cfg.root, "m", OLD)
-    restore(cfg, backend, OLD, progress=False)
+    restore(cfg, backend, OLD)
     assert not tombstone.present(cfg.root, "m", OLD)
     res = ret.apply(cfg, backend, POLICY)
-    assert res.done == [] and "restored" in {d.name: d for d in res.plan.decisions}[OLD].reason
+    assert res.done == [] and "restored" in {d.name: d for d in res.decisions}[OLD].reason
     # Grace over (or off): the usual rules apply again.
     res = ret.apply(cfg, backend, dataclasses.replace(POLICY, restore_grace=0))
     assert res.done == [f"delete {OLD}"]
@@ -200,12 +200,12 @@ from tiered_ckpt.lifecycle.restore import restore
 cfg = config.load(sys.argv[1])
 slow = float(sys.argv[2])
 seen = [0]
-def on_bytes(n):
+def on_bytes(what, done, total):
     seen[0] += 1
     if seen[0] == 1:
         print('bytes', flush=True)
     time.sleep(slow)
-r = restore(cfg, LocalBackend(cfg), sys.argv[3], progress=False, on_bytes=on_bytes, lock_wait=60)
+r = restore(cfg, LocalBackend(cfg), sys.argv[3], progress=on_bytes, lock_wait=60)
 print('done', r.source, r.verified, flush=True)
 """
 
@@ -258,14 +258,14 @@ def test_frozen_archive_mid_restore_fails_within_the_retry_budget(tmp_path: Path
         assert Exporter(cfg, store, status_path=tmp_path / "st.json").iterate().ok
         mf.remove_checkpoint(old_dir(cfg))
 
-        def freeze(n: int) -> None:
+        def freeze(what: str, done: int, total: int) -> None:
             if not stopped[0]:
                 stopped[0] = True
                 os.killpg(pgid, signal.SIGSTOP)          # the server hangs, connections stay open
 
         t0 = time.monotonic()
         with pytest.raises(UnavailableError, match=r"unreachable.*archive\.timeout 5s, archive\.retries 1"):
-            restore(cfg, LocalBackend(cfg, store), OLD, progress=False, on_bytes=freeze)
+            restore(cfg, LocalBackend(cfg, store), OLD, progress=freeze)
         elapsed = time.monotonic() - t0
         assert stopped[0] and elapsed < 60, f"took {elapsed:.0f}s"   # was 241 s with retries: 1
         assert mf.latest_committed(cfg.root, "m") is None

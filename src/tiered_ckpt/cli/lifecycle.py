@@ -1,14 +1,14 @@
 """Subcommands of the tier lifecycle: retention plan|apply, restore, status, export.
 
-Wiring only: the work is in retention.py, restore.py, status.py and exporter.py, which the
-demo calls directly from Python.
+Wiring and rendering only: the work is in lifecycle/ (retention.py, restore.py, status.py,
+exporter.py), which renders nothing and which the demo calls directly from Python.
 """
 from __future__ import annotations
 
 import argparse
 import threading
 
-from tiered_ckpt.cli.output import human_bytes, print_json, print_table, stderr, stdout
+from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progress_bars, stderr, stdout
 from tiered_ckpt.config import NodeConfig, parse_duration
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from tiered_ckpt.io import commit as mf
@@ -31,8 +31,8 @@ def _policy(args: argparse.Namespace, cfg: NodeConfig) -> ret.Policy:
     )
 
 
-def _print_plan(pl: ret.Plan, title: str) -> None:
-    rows = [(d.name, d.action, human_bytes(d.bytes), d.reason) for d in pl.decisions]
+def _print_decisions(decisions: list[ret.Decision], title: str) -> None:
+    rows = [(d.name, d.action, human_bytes(d.bytes), d.reason) for d in decisions]
     print_table(title, ("checkpoint", "decision", "size", "reason"), rows)
 
 
@@ -42,17 +42,17 @@ def cmd_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
         raise ConfigError("--action release frees Lustre data with lfs hsm_release and needs backend amlfs; use --action delete locally")
     backend = make_backend(cfg)
     if args.retention_cmd == "plan":
-        pl = ret.plan(cfg, backend, policy)
+        ev = ret.evaluate(cfg, backend, policy)
         if args.json:
-            print_json({"ok": True, **pl.to_json()})
+            print_json({"ok": True, **ev.to_json()})
         else:
-            _print_plan(pl, f"retention plan for {cfg.model} ({cfg.root}), nothing changed")
+            _print_decisions(ev.decisions, f"retention plan for {cfg.model} ({cfg.root}), nothing changed")
         return EXIT_OK
     res = ret.apply(cfg, backend, policy)
     if args.json:
         print_json({"ok": True, **res.to_json()})
     else:
-        _print_plan(res.plan, f"retention applied to {cfg.model} ({cfg.root})")
+        _print_decisions(res.decisions, f"retention applied to {cfg.model} ({cfg.root})")
         stdout.print(f"done: {', '.join(res.done) or 'nothing'}; freed {human_bytes(res.freed_bytes)}")
     return EXIT_OK
 
@@ -63,8 +63,9 @@ def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
     if args.wait is not None and args.wait < 0:
         raise ConfigError(f"--wait: {args.wait} must be >= 0 seconds")
     backend = make_backend(cfg)
-    res = restore(cfg, backend, args.name, verify=args.verify, progress=not args.json,
-                  lock_wait=DEFAULT_LOCK_WAIT if args.wait is None else args.wait)
+    with progress_bars(enabled=not args.json) as bars:
+        res = restore(cfg, backend, args.name, verify=args.verify, progress=bars,
+                      lock_wait=DEFAULT_LOCK_WAIT if args.wait is None else args.wait)
     if args.json:
         print_json(res.to_json())
     else:

@@ -1,5 +1,8 @@
 """Output for humans (rich tables, progress with bytes/rate/ETA on stderr) and machines (--json).
 
+Only the command line renders: library code (io, lifecycle, tiers) reports progress through
+callbacks, which `byte_progress` and `progress_bars` turn into bars here.
+
 This is the output edge: every string printed here (errors, --json, tables, warnings, log
 records) passes through `redact`, so a SAS token or account key that reached a message
 (a service URL, an SDK error quoting one) is never shown.
@@ -8,8 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -117,12 +122,8 @@ class ByteProgress:
             self._p.update(self._t, advance=nbytes)
 
 
-@contextmanager
-def byte_progress(description: str, total: int, enabled: bool = True) -> Iterator[ByteProgress]:
-    if not enabled or not stderr.is_terminal and not _force_progress():
-        yield ByteProgress(None, None)
-        return
-    with Progress(
+def _bars() -> Progress:
+    return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
@@ -130,12 +131,50 @@ def byte_progress(description: str, total: int, enabled: bool = True) -> Iterato
         TimeRemainingColumn(),
         console=stderr,
         transient=False,
-    ) as p:
+    )
+
+
+def _showing(enabled: bool) -> bool:
+    return enabled and (stderr.is_terminal or os.environ.get("TIERED_CKPT_PROGRESS") == "1")
+
+
+@contextmanager
+def byte_progress(description: str, total: int, enabled: bool = True) -> Iterator[ByteProgress]:
+    """One bar, known up front; `advance(n)` adds n bytes (the io layer's progress callbacks)."""
+    if not _showing(enabled):
+        yield ByteProgress(None, None)
+        return
+    with _bars() as p:
         task = p.add_task(redact(description), total=total)
         yield ByteProgress(p, task)
 
 
-def _force_progress() -> bool:
-    import os
+@contextmanager
+def progress_bars(enabled: bool = True) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A (what, bytes done, bytes total) callback for a library call (restore): one bar per `what`.
 
-    return os.environ.get("TIERED_CKPT_PROGRESS") == "1"
+    A bar appears with the first bytes reported for it, so a step that moves nothing (a
+    resident checkpoint) shows none. None when disabled (--json, not a terminal).
+    """
+    if not _showing(enabled):
+        yield None
+        return
+    lock = threading.Lock()
+    tasks: dict[str, Any] = {}
+    bars: list[Progress] = []
+
+    def report(what: str, done: int, total: int) -> None:
+        with lock:      # called from the threads that move the bytes
+            if not bars:
+                bars.append(_bars())
+                bars[0].start()
+            if what not in tasks:
+                tasks[what] = bars[0].add_task(redact(what), total=total)
+            bars[0].update(tasks[what], completed=done, total=total)
+
+    try:
+        yield report
+    finally:
+        with lock:
+            if bars:
+                bars[0].stop()

@@ -25,11 +25,15 @@ scan ever takes as complete. Locally each file is downloaded into a temp file of
 complete and hash-checked. Nothing under the root is opened through a symlink (fsafe, anchored
 at the root); a checkpoint directory that is a symlink is refused. A successful restore is
 recorded so that retention keeps the checkpoint for retention.restore_grace.
+
+Nothing here renders: progress goes to a callback (`RestoreProgress`), which the command line
+turns into a progress bar (cli/lifecycle.py) and a test or a caller may use as it likes.
 """
 from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiered_ckpt.cli.output import byte_progress
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import EXIT_CONFLICT, ConflictError, IntegrityError, UnavailableError, UserError
 from tiered_ckpt.io import commit as mf
@@ -53,6 +56,12 @@ from tiered_ckpt.tiers.blob import BlobInfo, BlobStore, archived_markers
 
 DEFAULT_LOCK_WAIT = 600.0     # seconds a restore waits for another actor on the same checkpoint
 MARKER_LIMIT = 64 << 20       # a marker larger than this is not one of ours
+
+# (what, bytes done, bytes total): `what` names the step and the checkpoint, e.g.
+# "restore global_epoch0_step30" (download or import) or "hsm_restore global_epoch0_step30"
+# (released files coming back). Called as bytes arrive, from the threads that move them, one
+# call at a time and with `done` never decreasing.
+RestoreProgress = Callable[[str, int, int], None]
 
 # What a restore checked (RestoreResult.check).
 HASHES = "hashes"
@@ -89,6 +98,23 @@ class RestoreResult:
                 "seconds": round(self.seconds, 3), "gb_per_s": round(self.gbps, 3), "verified": self.verified,
                 "check": self.check, "files": self.files, "prefetched_files": self.prefetched_files,
                 "warnings": self.warnings}
+
+
+class _Bytes:
+    """Adds up the bytes reported by several threads and passes (what, done, total) on."""
+
+    def __init__(self, progress: RestoreProgress | None, what: str, total: int) -> None:
+        self._progress, self._what, self._total = progress, what, total
+        self._done = 0
+        self._lock = threading.Lock()
+
+    def advance(self, n: int) -> None:
+        if self._progress is None:
+            return
+        # Under the lock, so that the caller sees one call at a time and `done` in order.
+        with self._lock:
+            self._done += n
+            self._progress(self._what, self._done, self._total)
 
 
 def parse_marker(data: bytes) -> mf.Manifest:
@@ -259,9 +285,11 @@ def _refuse_links(root: Path, model: str, ckpt_dir: Path) -> None:
 
 
 def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, verify: bool = False,
-            progress: bool = True, on_bytes: Callable[[int], None] | None = None,
+            progress: RestoreProgress | None = None,
             lock_wait: float | None = DEFAULT_LOCK_WAIT) -> RestoreResult:
     """Make checkpoint `name` (or the newest committed anywhere) readable; see the module doc.
+
+    progress: called with (what, bytes done, bytes total) as bytes come back from the archive.
 
     lock_wait: seconds to wait for another actor (a restore, retention, a save) holding the
     checkpoint's lock; ConflictError naming it after that (None: wait forever).
@@ -298,7 +326,7 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
             if found.where == "accelerator":
                 res = _in_place(cfg, backend, found, ckpt_dir, verify, progress, warnings)
             else:
-                res = _from_archive(cfg, backend, found, ckpt_dir, progress, on_bytes, warnings)
+                res = _from_archive(cfg, backend, found, ckpt_dir, progress, warnings)
             res.seconds = time.monotonic() - t0
             _bookkeeping(cfg, cname, res)
             return res
@@ -320,12 +348,11 @@ def _bookkeeping(cfg: NodeConfig, name: str, res: RestoreResult) -> None:
 
 
 def _in_place(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir: Path, verify: bool,
-              progress: bool, warnings: list[str]) -> RestoreResult:
+              progress: RestoreProgress | None, warnings: list[str]) -> RestoreResult:
     root = Path(cfg.root)
     m = found.manifest
     paths = [str(ckpt_dir / f.path) for f in m.files]
-    with byte_progress(f"hsm_restore {m.name}", m.total_bytes, enabled=progress and backend.kind == "amlfs") as bar:
-        prefetched = backend.prefetch(paths, bar.advance)
+    prefetched = backend.prefetch(paths, _Bytes(progress, f"hsm_restore {m.name}", m.total_bytes).advance)
     problems = _size_problems(root, ckpt_dir, m)
     if problems:
         raise IntegrityError(f"checkpoint {m.name}: {problems[0]}")
@@ -348,8 +375,8 @@ def _in_place(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir: Pat
                          0.0, verified, len(m.files), len(prefetched), warnings, check)
 
 
-def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir: Path, progress: bool,
-                  on_bytes: Callable[[int], None] | None, warnings: list[str]) -> RestoreResult:
+def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir: Path,
+                  progress: RestoreProgress | None, warnings: list[str]) -> RestoreResult:
     root = Path(cfg.root)
     m = found.manifest
     # A journal entry left by a killed retention run would let the next run take this
@@ -375,20 +402,14 @@ def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir:
     done = False
     foreign = False     # a marker someone else wrote meanwhile: never ours to remove
     try:
-        with byte_progress(f"restore {m.name}", m.total_bytes, enabled=progress) as bar:
-            def advance(n: int) -> None:
-                bar.advance(n)
-                if on_bytes is not None:
-                    on_bytes(n)
-
-            try:
-                hashed = backend.rehydrate(m, ckpt_dir, advance)
-            except fsafe.UnsafePath:
-                raise
-            except OSError as e:
-                # The local side of a download (ENOSPC, EACCES, ...): the blob store only turns the
-                # archive's own errors into UserErrors. No marker yet, so nothing looks restored.
-                raise os_error(e, e.filename or ckpt_dir) from None
+        try:
+            hashed = backend.rehydrate(m, ckpt_dir, _Bytes(progress, f"restore {m.name}", m.total_bytes).advance)
+        except fsafe.UnsafePath:
+            raise
+        except OSError as e:
+            # The local side of a download (ENOSPC, EACCES, ...): the blob store only turns the
+            # archive's own errors into UserErrors. No marker yet, so nothing looks restored.
+            raise os_error(e, e.filename or ckpt_dir) from None
         problems = _size_problems(root, ckpt_dir, m)
         if problems:
             raise IntegrityError(f"restored checkpoint {m.name} is incomplete: {problems[0]}; re-run restore")
@@ -427,5 +448,5 @@ def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir:
                          warnings=warnings, check=HASHES if hashed else NO_HASHES)
 
 
-__all__ = ["DEFAULT_LOCK_WAIT", "Found", "RestoreResult", "archive_committed", "choose", "committed_anywhere",
+__all__ = ["DEFAULT_LOCK_WAIT", "Found", "RestoreProgress", "RestoreResult", "archive_committed", "choose", "committed_anywhere",
            "restore", "verify_hashes"]

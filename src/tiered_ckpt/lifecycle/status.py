@@ -19,9 +19,11 @@ from typing import Any
 from tiered_ckpt.errors import UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.lifecycle.exporter import Exporter, default_status_path, read_status, walk_tree
+from tiered_ckpt.lifecycle.journal import journaled
+from tiered_ckpt.lifecycle.policy import Policy, decide
 from tiered_ckpt.lifecycle.proof import CheckpointProof, prove
 from tiered_ckpt.lifecycle.restore import archive_committed
-from tiered_ckpt.lifecycle.retention import Policy, candidates_from, decide, journaled
+from tiered_ckpt.lifecycle.retention import candidates_from
 from tiered_ckpt.naming import CheckpointId, parse_name
 from tiered_ckpt.tiers.backends import TierBackend, make_jobs
 from tiered_ckpt.tiers.blob import BlobInfo
