@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from tiered_ckpt.config import IoConfig, NodeConfig
 
 

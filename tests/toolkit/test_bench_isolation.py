@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+
 from tiered_ckpt import api
 
 
