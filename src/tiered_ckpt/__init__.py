@@ -1,16 +1,20 @@
 """Tiered checkpoints on Azure: the node toolkit.
 
-Training code uses save / async_save / load / latest (see tiered_ckpt.api); they are loaded
-lazily so the CLI starts fast.
+Training code uses save / async_save / load / latest (see tiered_ckpt.api) and IoOptions (see
+tiered_ckpt.options); they are loaded lazily so the CLI starts fast.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["save", "async_save", "load", "latest"]
+__all__ = ["save", "async_save", "load", "latest", "IoOptions"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "IoOptions":
+        from tiered_ckpt.options import IoOptions
+
+        return IoOptions
     if name in __all__:
         from tiered_ckpt import api
 

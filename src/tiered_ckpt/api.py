@@ -6,9 +6,13 @@
     ...; h.wait()                                   # committed (or raises)
     state = tc.load()                               # newest committed checkpoint
 
-Settings come from the node config (/etc/tiered-ckpt/config.yaml, $TIERED_CKPT_CONFIG) unless
-passed: root, model, and the io section (threads, files_per_rank, block_size, direct,
-staging_bytes, sync_buffer_bytes).
+Settings come from the node config ($TIERED_CKPT_CONFIG, else /etc/tiered-ckpt/config.yaml;
+or config=) unless passed: root=, model=, and the I/O knobs as one `IoOptions` (options=),
+whose fields left at None take the config's io section (tiered_ckpt.options says the
+precedence and documents every field):
+
+    from tiered_ckpt.options import IoOptions
+    tc.save(state, epoch=3, step=12000, options=IoOptions(files=16, hash=False))
 """
 from __future__ import annotations
 
@@ -23,9 +27,14 @@ from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import pools as staging
 from tiered_ckpt.io import reader, writer
+from tiered_ckpt.io.layout import SAVE_ID
+from tiered_ckpt.io.save_commit import note_failure
 from tiered_ckpt.io.sources import to_sources
-from tiered_ckpt.io.writer import SaveResult, WriteOptions
+from tiered_ckpt.io.writer import SaveResult
 from tiered_ckpt.naming import CheckpointId, require_name, require_number
+from tiered_ckpt.options import IoOptions
+
+_DEFAULT = IoOptions()     # every field from the node config, or its documented default
 
 
 class SaveHandle:
@@ -59,25 +68,19 @@ def _cid(name: str | None, epoch: int | None, step: int | None) -> CheckpointId:
     return CheckpointId(require_number(epoch, "epoch"), require_number(step, "step"))
 
 
-def _options(cfg: config_mod.NodeConfig, files: int | None, threads: int | None, block_size: int | None,
-             direct: bool | None, hash: bool, barrier_timeout: float) -> WriteOptions:
-    io = cfg.io
-    opts = WriteOptions(
-        files=files or io.files_per_rank, threads=threads or io.threads, block_size=block_size or io.block_size,
-        direct=io.direct if direct is None else direct, hash=hash, barrier_timeout=barrier_timeout,
-    )
-    if opts.block_size % staging.ALIGN or opts.files < 1 or opts.threads < 1:
-        raise UserError(f"files={opts.files}, threads={opts.threads}, block_size={opts.block_size}: need >= 1, >= 1 and a multiple of 4 KiB")
-    return opts
+def _require_options(options: Any) -> IoOptions:
+    if not isinstance(options, IoOptions):
+        raise UserError(f"options={str(options)[:80]!r}: pass a tiered_ckpt.options.IoOptions, "
+                        "e.g. options=IoOptions(files=16, threads=16)")
+    return options
 
 
 def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, name: str | None,
            root: str | Path | None, model: str | None, config: config_mod.NodeConfig | None,
-           rank: int | None, world_size: int | None, group: Any, files: int | None, threads: int | None,
-           block_size: int | None, direct: bool | None, hash: bool, overwrite_incomplete: bool,
-           save_id: str | None, barrier_timeout: float, pool_kind: str, pool_bytes: int | None,
-           progress: Callable[[int], None] | None) -> writer.Save:
-    comm = detect(rank, world_size, group, timeout=barrier_timeout)
+           rank: int | None, world_size: int | None, group: Any, save_id: str | None, options: IoOptions,
+           pool_kind: str, progress: Callable[[int], None] | None) -> writer.Save:
+    options = _require_options(options)
+    comm = detect(rank, world_size, group, timeout=options.barrier_timeout)
     made: dict[str, Any] = {}
 
     def build() -> str | None:
@@ -85,13 +88,12 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         # it (and fail too) instead of waiting for this one.
         cfg = made["cfg"] = _cfg(config, root, model)
         cid = made["cid"] = _cid(name, epoch, step)
-        opts = _options(cfg, files, threads, block_size, direct, hash, barrier_timeout)
+        opts = options.resolve(cfg.io)
         sources = to_sources(state)
-        size = pool_bytes if pool_bytes is not None else (cfg.io.staging_bytes if pool_kind == "staging" else cfg.io.sync_buffer_bytes)
-        pool = staging.pool(pool_kind, size, opts.block_size)
+        pool = staging.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
         s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
-                                       overwrite_incomplete=overwrite_incomplete, save_id=save_id, progress=progress,
-                                       archive=cfg.archive)
+                                       overwrite_incomplete=options.overwrite_incomplete, save_id=save_id,
+                                       progress=progress, archive=cfg.archive)
         return s.prepare_local()
 
     def failed(exc: BaseException) -> None:
@@ -99,10 +101,10 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         if s is not None:
             s.on_failure(exc)
         elif comm.world_size > 1 and not comm.uses_torch and "cid" in made and isinstance(save_id, str) \
-                and writer.SAVE_ID.fullmatch(save_id):
+                and SAVE_ID.fullmatch(save_id):
             # file mode, failed before the save was set up: still leave the note the others wait for
-            writer.note_failure(Path(made["cfg"].root), made["cfg"].model, made["cid"], comm.rank, comm.world_size,
-                                save_id, exc)
+            note_failure(Path(made["cfg"].root), made["cfg"].model, made["cid"], comm.rank, comm.world_size,
+                         save_id, exc)
 
     about = name[:80] if isinstance(name, str) else "the checkpoint"   # for messages only: no user value parsed here
     ids = comm.phase("preparing", about, build, failed)
@@ -113,19 +115,16 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
 
 def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None = None, name: str | None = None,
          root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
-         rank: int | None = None, world_size: int | None = None, group: Any = None,
-         files: int | None = None, threads: int | None = None, block_size: int | None = None,
-         direct: bool | None = None, hash: bool = True, overwrite_incomplete: bool = True,
-         save_id: str | None = None, barrier_timeout: float = 600.0, buffer_bytes: int | None = None,
-         progress: Callable[[int], None] | None = None) -> SaveResult:
+         rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
+         options: IoOptions = _DEFAULT, progress: Callable[[int], None] | None = None) -> SaveResult:
     """Write `state` (name -> buffer) as checkpoint global_epoch{E}_step{S}; returns once committed.
 
-    Adds at most io.sync_buffer_bytes (or buffer_bytes) of memory, whatever the checkpoint's size.
+    Adds at most io.sync_buffer_bytes (or options.buffer_bytes) of memory, whatever the
+    checkpoint's size. `progress` is called with the bytes written since its last call.
     """
     s = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
-               world_size=world_size, group=group, files=files, threads=threads, block_size=block_size,
-               direct=direct, hash=hash, overwrite_incomplete=overwrite_incomplete, save_id=save_id,
-               barrier_timeout=barrier_timeout, pool_kind="sync", pool_bytes=buffer_bytes, progress=progress)
+               world_size=world_size, group=group, save_id=save_id, options=options, pool_kind="sync",
+               progress=progress)
     try:
         s.produce()
     except BaseException as e:   # e.g. KeyboardInterrupt: the other ranks still learn of it
@@ -140,23 +139,20 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
 
 def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None = None, name: str | None = None,
                root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
-               rank: int | None = None, world_size: int | None = None, group: Any = None,
-               files: int | None = None, threads: int | None = None, block_size: int | None = None,
-               direct: bool | None = None, hash: bool = True, overwrite_incomplete: bool = True,
-               save_id: str | None = None, barrier_timeout: float = 600.0, staging_bytes: int | None = None,
-               zero_copy: bool = False, progress: Callable[[int], None] | None = None) -> SaveHandle:
+               rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
+               options: IoOptions = _DEFAULT, zero_copy: bool = False,
+               progress: Callable[[int], None] | None = None) -> SaveHandle:
     """Start a save; returns once the buffers are snapshotted into the staging area.
 
-    A checkpoint larger than the staging area streams through it: the call returns once the
-    remainder fits. With zero_copy=True nothing is snapshotted and the call returns at once; the
-    caller must not touch its buffers until wait() returns (a size change is detected and
-    fails the save; nothing is committed).
+    A checkpoint larger than the staging area (io.staging_bytes, or options.staging_bytes)
+    streams through it: the call returns once the remainder fits. With zero_copy=True nothing is
+    snapshotted and the call returns at once (the save streams through the sync buffer); the
+    caller must not touch its buffers until wait() returns (a size change is detected and fails
+    the save; nothing is committed).
     """
     s = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
-               world_size=world_size, group=group, files=files, threads=threads, block_size=block_size,
-               direct=direct, hash=hash, overwrite_incomplete=overwrite_incomplete, save_id=save_id,
-               barrier_timeout=barrier_timeout, pool_kind="sync" if zero_copy else "staging",
-               pool_bytes=staging_bytes if not zero_copy else None, progress=progress)
+               world_size=world_size, group=group, save_id=save_id, options=options,
+               pool_kind="sync" if zero_copy else "staging", progress=progress)
     return SaveHandle(writer.run_async(s, zero_copy), s.cid.name)
 
 
@@ -169,11 +165,12 @@ def latest(*, root: str | Path | None = None, model: str | None = None,
 
 def load(name: str | None = None, *, root: str | Path | None = None, model: str | None = None,
          config: config_mod.NodeConfig | None = None, rank: int | None = None, into: Mapping[str, Any] | None = None,
-         verify_hash: bool = False, threads: int | None = None, direct: bool | None = None,
+         verify_hash: bool = False, options: IoOptions = _DEFAULT,
          progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Read a committed checkpoint (default: the newest) into buffers: `into` ones, else new ones.
 
-    Sizes are always checked; content hashes when verify_hash=True.
+    Sizes are always checked; content hashes when verify_hash=True. Of `options`, threads,
+    block_size and direct apply (the others are about saving).
     """
     cfg = _cfg(config, root, model)
     mf.require_root(cfg.root)
@@ -189,5 +186,6 @@ def load(name: str | None = None, *, root: str | Path | None = None, model: str 
         info = found
     if rank is None:
         rank = detect().rank
-    return reader.load(info, rank=rank, into=into, check_hash=verify_hash, threads=threads or cfg.io.threads,
-                       block_size=cfg.io.block_size, direct=cfg.io.direct if direct is None else direct, progress=progress)
+    opts = _require_options(options).resolve(cfg.io)
+    return reader.load(info, rank=rank, into=into, check_hash=verify_hash, threads=opts.threads,
+                       block_size=opts.block_size, direct=opts.direct, progress=progress)

@@ -6,15 +6,19 @@
   collectives. The group is made with ``timeout=barrier_timeout``: a rank that died or never
   arrives fails the others' collective after that long instead of gloo's 30 min default.
 * Explicit rank/world_size > 1 without torch ("file mode"): ranks meet through the checkpoint
-  directory itself. Each rank writes its part manifest; rank 0 waits for every part (or a
-  rank's failure note), commits, and the others wait for the marker. A `save_id` shared by all
-  ranks of one save is required, so parts left by a crashed earlier attempt are never committed.
+  directory itself (io/save_commit.py: the part manifests, failure notes and waits). Each rank
+  writes its part manifest; rank 0 waits for every part (or a rank's failure note), commits,
+  and the others wait for the marker. A `save_id` shared by all ranks of one save is required,
+  so parts left by a crashed earlier attempt are never committed; here `Comm.phase` only runs
+  each phase and re-raises its failure.
 * Otherwise a single process.
 
 `Comm.phase` is the agreement (in the spirit of torch DCP's ``_DistWrapper``): every rank runs
 one phase of the save, catching *any* exception, then all ranks exchange their outcome; if any
 rank failed, every rank raises, with the failing rank's message and error class. Every rank
 therefore runs the same sequence of collectives whatever fails where, so none is left waiting.
+`ERROR_CLASSES` and `as_user_error` are how a failure travels to the other ranks: through the
+exchange here, and through file mode's failure notes.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -143,14 +144,17 @@ def test_a_node_venv_from_the_tarball_runs_the_toolkit_without_the_demo_librarie
     """What cloud-init does on a node: a fresh venv, `pip install <tarball>` (the pins of pyproject.toml)."""
     t = cloud_init.build_toolkit(ROOT, tmp_path / "t")
     venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(t.path)], capture_output=True, text=True, timeout=540)
+    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(t.path)], capture_output=True, text=True,
+                         timeout=540, env=env)
     assert pip.returncode == 0, pip.stderr[-2000:]
     py = str(venv / "bin" / "python")
     for absent in ("numpy", "matplotlib", "tiered_ops", "tiered_demo", "components"):
-        r = subprocess.run([py, "-c", f"import {absent}"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        r = subprocess.run([py, "-c", f"import {absent}"], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, absent
-    r = subprocess.run([str(venv / "bin" / "tiered-ckpt"), "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    r = subprocess.run([str(venv / "bin" / "tiered-ckpt"), "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                       env=env)
     assert r.returncode == 0 and "retention" in r.stdout and "restore" in r.stdout, r.stderr
     assert "demo" not in r.stdout.split("positional arguments")[-1].split("options")[0]
 

@@ -15,8 +15,9 @@ import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import writer
+from tiered_ckpt.io import pipeline, writer
 from tiered_ckpt.io.reader import verify
+from tiered_ckpt.options import IoOptions
 
 
 def _committed_ok(path: Path) -> bool:
@@ -42,7 +43,7 @@ def test_incomplete_directory_is_replaced_by_default_or_refused(cfg: NodeConfig,
     (d / "stray.bin").write_bytes(b"x")
     (d / mf.MARKER).write_bytes(b'{"format": "tiered-ckpt/1", "ep')      # torn marker
     with pytest.raises(ConflictError, match="never committed.*overwrite_incomplete"):
-        tc.save({"a": b"new"}, epoch=0, step=2, config=cfg, overwrite_incomplete=False)
+        tc.save({"a": b"new"}, epoch=0, step=2, config=cfg, options=IoOptions(overwrite_incomplete=False))
     assert (d / "stray.bin").exists()
     tc.save({"a": b"new"}, epoch=0, step=2, config=cfg)
     assert not (d / "stray.bin").exists()
@@ -142,7 +143,7 @@ def test_async_with_large_staging_returns_before_commit(cfg: NodeConfig, root: P
         return real_write_marker(d, m, **kw)
 
     monkeypatch.setattr(writer.mf, "write_marker", slow_marker)
-    h = tc.async_save({"a": os.urandom(3 << 20)}, epoch=0, step=1, config=cfg, staging_bytes=8 << 20)
+    h = tc.async_save({"a": os.urandom(3 << 20)}, epoch=0, step=1, config=cfg, options=IoOptions(staging_bytes=8 << 20))
     assert not h.done() and mf.read_marker(root / "m" / "global_epoch0_step1") is None
     gate.set()
     h.wait(30)
@@ -154,7 +155,7 @@ def test_async_failure_is_reported_by_the_handle(cfg: NodeConfig, root: Path, mo
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(writer.os, "fsync", fsync)
-    h = tc.async_save({"a": os.urandom(1 << 20)}, epoch=0, step=1, config=cfg, staging_bytes=4 << 20)
+    h = tc.async_save({"a": os.urandom(1 << 20)}, epoch=0, step=1, config=cfg, options=IoOptions(staging_bytes=4 << 20))
     err = h.exception(timeout=30)
     assert isinstance(err, UserError) and "not committed" in str(err)
     with pytest.raises(UserError):
@@ -165,14 +166,14 @@ def test_async_failure_is_reported_by_the_handle(cfg: NodeConfig, root: Path, mo
 def paused_fill(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """Hold the writer before it copies the buffers: (started, resume) events for a test to resize in between."""
     started, resume = threading.Event(), threading.Event()
-    real_fill = writer._Pipeline._fill
+    real_fill = pipeline.Pipeline._fill
 
-    def fill(self: writer._Pipeline, *a: object) -> None:
+    def fill(self: pipeline.Pipeline, *a: object) -> None:
         started.set()
         resume.wait(30)
         real_fill(self, *a)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(writer._Pipeline, "_fill", fill)
+    monkeypatch.setattr(pipeline.Pipeline, "_fill", fill)
     return started, resume
 
 
@@ -209,6 +210,6 @@ def test_snapshot_detects_a_buffer_resized_by_another_thread(cfg: NodeConfig, ro
     t = threading.Thread(target=other_thread)
     t.start()
     with pytest.raises(IntegrityError, match="changed size from 8000 to 4000 bytes.*nothing was committed"):
-        tc.async_save({"a": arr}, epoch=0, step=1, config=cfg, staging_bytes=4 << 20)
+        tc.async_save({"a": arr}, epoch=0, step=1, config=cfg, options=IoOptions(staging_bytes=4 << 20))
     t.join()
     assert not (root / "m" / "global_epoch0_step1").exists()

@@ -19,12 +19,13 @@ import json, sys
 import tiered_ckpt as tc
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import UserError
+from tiered_ckpt.options import IoOptions
 root, rank, world, sid, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10))
 data = bytes([rank + 1]) * (100_000 + rank * 12_345)
 try:
     tc.save({"w": data, "rank": str(rank).encode()}, epoch=0, step=1, config=cfg, rank=rank, world_size=world,
-            save_id=sid, barrier_timeout=timeout)
+            save_id=sid, options=IoOptions(barrier_timeout=timeout))
 except UserError as e:
     print(json.dumps({"ok": False, "error": str(e)}))
     sys.exit(e.exit_code)

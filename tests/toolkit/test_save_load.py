@@ -1,6 +1,7 @@
 """Save and load round trips through the real writer: shards, O_DIRECT with padded tails, hashes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io.reader import verify
 from tiered_ckpt.io.sources import SyntheticSource
+from tiered_ckpt.options import IoOptions
 
 
 def _state() -> dict[str, object]:
@@ -104,7 +106,7 @@ def test_stream_source_and_buffered_mode(cfg: NodeConfig, root: Path) -> None:
     src = SyntheticSource(3 << 20, seed=1)
     expect = bytearray(3 << 20)
     src.copy_into(0, memoryview(expect))
-    res = tc.save({"s": src}, epoch=0, step=4, config=cfg, direct=False)
+    res = tc.save({"s": src}, epoch=0, step=4, config=cfg, options=IoOptions(direct=False))
     assert not res.direct
     assert bytes(tc.load(config=cfg, verify_hash=True)["s"]) == bytes(expect)
 
@@ -165,3 +167,24 @@ def test_device_tensors_are_copied_block_by_block(cfg: NodeConfig, monkeypatch: 
     tc.save({"t": t}, epoch=0, step=8, config=cfg)
     out = tc.load(config=cfg, verify_hash=True)
     assert torch.equal(out["t"], t)
+
+
+def test_io_options_take_the_config_io_section_where_unset(cfg: NodeConfig, root: Path) -> None:
+    io = cfg.io
+    r = IoOptions().resolve(io)
+    assert (r.files, r.threads, r.block_size, r.direct, r.hash) == (io.files_per_rank, io.threads, io.block_size, io.direct, True)
+    r = IoOptions(files=2, threads=1, block_size=8192, direct=False, hash=False, copy_threads=1).resolve(io)
+    assert (r.files, r.threads, r.block_size, r.direct, r.hash, r.copy_threads) == (2, 1, 8192, False, False, 1)
+    assert IoOptions(staging_bytes=5 << 20).pool_bytes("staging", io) == 5 << 20
+    assert IoOptions().pool_bytes("staging", io) == io.staging_bytes and IoOptions().pool_bytes("sync", io) == io.sync_buffer_bytes
+    with pytest.raises(UserError, match="multiple of 4 KiB"):
+        IoOptions(block_size=1000).resolve(io)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        IoOptions().files = 3  # type: ignore[misc]
+    assert tc.IoOptions is IoOptions
+    with pytest.raises(UserError, match="pass a tiered_ckpt.options.IoOptions"):
+        tc.save({"a": b"x"}, epoch=0, step=1, config=cfg, options={"files": 2})  # type: ignore[arg-type]
+    assert not (root / "m" / "global_epoch0_step1").exists()
+    res = tc.save({"a": b"x" * 10_000}, epoch=0, step=1, config=cfg, options=IoOptions(files=2, hash=False))
+    assert res.files == 2 and not res.hashed
+    assert bytes(tc.load(config=cfg, options=IoOptions(threads=1, direct=False))["a"]) == b"x" * 10_000

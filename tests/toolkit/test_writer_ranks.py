@@ -20,6 +20,7 @@ import tiered_ckpt as tc
 from tiered_ckpt.io import lock
 from tiered_ckpt.io import writer
 from tiered_ckpt.config import IoConfig, NodeConfig
+from tiered_ckpt.options import IoOptions
 root, store, rank, T = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10,
@@ -45,7 +46,7 @@ def attempt(case, step, state=None, patch=None):
     t0 = time.monotonic()
     try:
         tc.save(state or {"t": torch.full((40_000,), rank + step, dtype=torch.int32)}, epoch=0, step=step,
-                config=cfg, barrier_timeout=T)
+                config=cfg, options=IoOptions(barrier_timeout=T))
         r = {"ok": True}
     except Exception as e:
         r = {"ok": False, "cls": type(e).__name__, "error": str(e)}
@@ -116,6 +117,7 @@ import json, sys, time
 import tiered_ckpt as tc
 from tiered_ckpt.io import writer
 from tiered_ckpt.config import IoConfig, NodeConfig
+from tiered_ckpt.options import IoOptions
 from tiered_ckpt.errors import UserError
 root, rank, sid, fail_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10))
@@ -132,7 +134,7 @@ if rank == 1 and fail_at == "state":
 t0 = time.monotonic()
 try:
     tc.save({"w": bytes([rank + 1]) * 200_000}, epoch=0, step=1, config=cfg, rank=rank, world_size=2,
-            save_id=sid, barrier_timeout=20)
+            save_id=sid, options=IoOptions(barrier_timeout=20))
     out = {"ok": True}
 except UserError as e:
     out = {"ok": False, "cls": type(e).__name__, "error": str(e), "code": e.exit_code}

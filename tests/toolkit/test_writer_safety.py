@@ -18,9 +18,10 @@ import tiered_ckpt as tc
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import writer
+from tiered_ckpt.io import layout, writer
 from tiered_ckpt.io.reader import verify
 from tiered_ckpt.naming import parse_name, require_name
+from tiered_ckpt.options import IoOptions
 
 IO = "IoConfig(threads=2, files_per_rank=3, block_size=64 << 10, sync_buffer_bytes=256 << 10, staging_bytes=256 << 10)"
 
@@ -88,7 +89,7 @@ def test_every_file_carries_the_save_id_and_the_marker_names_it(cfg: NodeConfig,
         m = mf.read_marker(r.path)
         assert m is not None and m.save_id == r.save_id
         for f in m.files:
-            assert writer.file_owner(f.path) is not None and writer.file_owner(f.path)[1] == r.save_id  # type: ignore[index]
+            assert layout.file_owner(f.path) is not None and layout.file_owner(f.path)[1] == r.save_id  # type: ignore[index]
     for bad in ("", "a/b", "../x", ".hidden", "x" * 65, "new\nline", 5):
         with pytest.raises(UserError, match="save_id"):
             tc.save({"a": b"x"}, epoch=0, step=3, config=cfg, save_id=bad)  # type: ignore[arg-type]
@@ -154,12 +155,13 @@ import json, sys
 import tiered_ckpt as tc
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.errors import UserError
+from tiered_ckpt.options import IoOptions
 root, rank, sid, conn, container, fill = sys.argv[1:7]
 cfg = NodeConfig(root=root, model="m", backend="local", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10),
                  archive=ArchiveConfig(connection_string=conn, container=container, prefix="checkpoints", retries=1))
 try:
     tc.save({"w": bytes([int(fill)]) * 150_000}, epoch=0, step=200, config=cfg, rank=int(rank), world_size=2,
-            save_id=sid, barrier_timeout=20)
+            save_id=sid, options=IoOptions(barrier_timeout=20))
     print(json.dumps({"ok": True}))
 except UserError as e:
     print(json.dumps({"ok": False, "cls": type(e).__name__, "error": str(e)}))
@@ -306,7 +308,7 @@ def test_every_failure_releases_the_claim(cfg: NodeConfig, root: Path, monkeypat
         mp.setattr(writer.os, "fsync", fsync)
         with pytest.raises(UserError, match="not committed"):
             tc.save({"a": os.urandom(1 << 20)}, epoch=0, step=1, config=cfg)
-        h = tc.async_save({"a": os.urandom(1 << 20)}, epoch=0, step=2, config=cfg, staging_bytes=4 << 20)
+        h = tc.async_save({"a": os.urandom(1 << 20)}, epoch=0, step=2, config=cfg, options=IoOptions(staging_bytes=4 << 20))
         assert isinstance(h.exception(timeout=30), UserError)
     with monkeypatch.context() as mp:
         mp.setattr(writer.mf, "write_marker", lambda d, m, **kw: (_ for _ in ()).throw(RuntimeError("boom")))

@@ -18,6 +18,7 @@ from tiered_ckpt.io import fsafe, reader, writer
 from tiered_ckpt.io import pools as staging
 from tiered_ckpt.io.sources import SyntheticSource, to_sources
 from tiered_ckpt.naming import CheckpointId, require_name
+from tiered_ckpt.options import IoOptions
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: argparse.ArgumentParser) -> None:
@@ -111,8 +112,8 @@ def cmd_bench(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
 
 def _bench(args: argparse.Namespace, cfg: config_mod.NodeConfig, base: Path, run: str, cid: CheckpointId,
            size: int, block: int) -> int:
-    opts = writer.WriteOptions(files=args.files or cfg.io.files_per_rank, threads=args.threads or cfg.io.threads,
-                               block_size=block, direct=cfg.io.direct if args.direct is None else args.direct, hash=args.hash)
+    opts = IoOptions(files=args.files, threads=args.threads, block_size=block, direct=args.direct,
+                     hash=args.hash).resolve(cfg.io)
     pool = staging.pool("sync", cfg.io.sync_buffer_bytes, block)
     sources = to_sources({"bench": SyntheticSource(size)})
     show = not args.json

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from tiered_ckpt.io.hashing import ALGORITHM
+from tiered_ckpt.io.layout import SAVE_ID as _SAVE_ID
 from tiered_ckpt.naming import CheckpointId
 
 MARKER = "COMMITTED.json"
@@ -28,7 +29,6 @@ _MAX_INT = 2 ** 63 - 1                 # sizes and offsets: what a file offset (
 _NAME_MAX = 255                        # bytes per path component (Linux NAME_MAX, Lustre too)
 _PATH_MAX = 4096                       # bytes per path (Linux PATH_MAX)
 _HEX = {ALGORITHM: re.compile(r"[0-9a-f]{32}")}        # xxh3-128: 128 bits, lowercase hex
-_SAVE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _RANK_KEY = re.compile(r"0|[1-9][0-9]*")
 _KEYS = {"epoch", "step", "files", "world_size", "hash_algo", "created_utc", "index", "format", "save_id"}
 _REQUIRED = {"epoch", "step", "files", "format"}

@@ -87,8 +87,8 @@ def pool(kind: str, total_bytes: int, block_size: int) -> BlockPool:
 
 _SETTING = {
     "read": "io.threads x io.block_size (one block per reader thread)",
-    "sync": "io.sync_buffer_bytes (or save(buffer_bytes=...))",
-    "staging": "io.staging_bytes (or async_save(staging_bytes=...))",
+    "sync": "io.sync_buffer_bytes (or options=IoOptions(buffer_bytes=...))",
+    "staging": "io.staging_bytes (or options=IoOptions(staging_bytes=...))",
 }
 
 

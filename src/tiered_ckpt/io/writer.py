@@ -1,21 +1,8 @@
-"""The parallel checkpoint writer and the commit around it.
+"""One rank's save: claim and prepare the name, run the pipeline, agree, commit; run_async.
 
-One rank's bytes are laid out as a concatenation of its buffers, cut into `files` shards of
-equal size (a buffer may span shards; the index records every segment). A producer copies
-the bytes into page-aligned pool blocks (see staging.py), round-robin over the shards being
-written, and writer threads (one shard each at a time) hash every block inline (xxh3-128)
-and write it with O_DIRECT; the last partial block is zero-padded, written, and the file
-truncated to its true size. Every shard is fsynced, then the directory.
-
-Commit, following manifest.py: each rank writes its part manifest (a file under its final
-name, listed in the marker like any file, so AMLFS exports it too); after every rank is done
-rank 0 writes COMMITTED.json naming every rank's files. No renames anywhere.
-
-Every file of a save carries the save's id (``shard-r00000-000.<sid>.bin``,
-``rank00000.<sid>.part.json``, ``rank00000.<sid>.failed.json``; the marker records it as
-``save_id``). AMLFS auto-export never propagates deletes, so the archive may still hold files
-of an earlier save of the same name; with unique names a later save can never overwrite one of
-them, and a marker only ever names files of its own save.
+The shard layout is layout.py, the threads that write it pipeline.py, the end of a save (part
+manifests, file-mode waits, failure notes, rank 0's marker) save_commit.py, and the POSIX
+calls under all of them posix.py. Nothing is followed through a symlink (posix.py says how).
 
 Who may reuse a name: rank 0 claims it (lock.checkpoint_lock, wait=0) before anything is
 written and holds the claim until the marker is written or the save failed; a second saver
@@ -24,449 +11,42 @@ a name that is committed anywhere: here (a valid marker), archived and deleted l
 retention (tombstone.py), or - where an archive is configured - committed in Blob (one
 request for `<prefix>/<model>/<name>/COMMITTED.json`). If the archive cannot be reached
 the save goes on with a logged warning: training must not stop for the archive, and unique
-file names mean no archived blob can be overwritten either way. Also under the claim rank 0
-drops retention's delete-journal entry of the name, and removes files of earlier,
+file names (layout.py) mean no archived blob can be overwritten either way. Also under the
+claim rank 0 drops retention's delete-journal entry of the name, and removes files of earlier,
 never-committed saves of the name (overwrite_incomplete=False refuses instead). Other ranks
 only ever delete files carrying their own rank and save id.
 
 Any exception on any rank in any phase (prepare, write, commit) fails every rank: under
 torch.distributed through Comm.phase, without torch through failure notes in the directory.
-
-Nothing is followed through a symlink: the model and checkpoint directories are verified
-real directories (a symlink is refused, never written into), kept open, and every file is
-created relative to that descriptor with O_CREAT|O_EXCL|O_NOFOLLOW and explicit modes
-(directories 0755, files 0644, whatever the umask).
 """
 from __future__ import annotations
 
-import bisect
-import errno
-import json
 import logging
 import os
-import queue
-import re
 import stat
 import threading
 import time
-import uuid
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from tiered_ckpt.config import ArchiveConfig
-from tiered_ckpt.distributed import ERROR_CLASSES, Comm, as_user_error
+from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe, lock
-from tiered_ckpt.io.hashing import new_hasher
-from tiered_ckpt.io.pools import ALIGN, Aborted, BlockPool
+from tiered_ckpt.io import fsafe, lock, save_commit
+from tiered_ckpt.io.layout import FilePlan, file_owner, new_save_id, plan, require_save_id
+from tiered_ckpt.io.pipeline import Pipeline, Progress
+from tiered_ckpt.io.pools import BlockPool
+from tiered_ckpt.io.posix import fsync_parents, open_subdir, os_error, remove_dir_if_empty
 from tiered_ckpt.io.sources import Source
 from tiered_ckpt.lifecycle import journal, tombstone
 from tiered_ckpt.naming import CheckpointId
+from tiered_ckpt.options import WriteOptions
+from tiered_ckpt.redact import redact
 
 log = logging.getLogger(__name__)
-
-SHARD = "shard-r{rank:05d}-{i:03d}.{sid}.bin"
-PART = "rank{rank:05d}.{sid}.part.json"
-FAILED = "rank{rank:05d}.{sid}.failed.json"
-SAVE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_OWNED = re.compile(r"shard-r(?P<r1>[0-9]{5})-[0-9]{3}\.(?P<s1>.+)\.bin|rank(?P<r2>[0-9]{5})\.(?P<s2>.+)\.(?P<kind>part|failed)\.json")
-_SMALL_LIMIT = 256 << 20       # part manifests and notes: far larger than any real one
-
-
-def file_owner(name: str) -> tuple[int, str, str] | None:
-    """(rank, save id, kind) of a file a save writes ("shard", "part", "failed"), else None."""
-    m = _OWNED.fullmatch(name)
-    if m is None:
-        return None
-    if m.group("r1") is not None:
-        return int(m.group("r1")), m.group("s1"), "shard"
-    return int(m.group("r2")), m.group("s2"), m.group("kind")
-
-
-def require_save_id(save_id: Any) -> str:
-    if not isinstance(save_id, str) or SAVE_ID.fullmatch(save_id) is None:
-        raise UserError(f"save_id={save_id!r}: must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,63}} (it is part of every file "
-                        "name of the save), e.g. save_id=f'{job_id}-{attempt}'")
-    return save_id
-
-
-def new_save_id() -> str:
-    return uuid.uuid4().hex
-
-Progress = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class WriteOptions:
-    files: int = 8
-    threads: int = 8
-    block_size: int = 16 << 20
-    direct: bool = True
-    hash: bool = True
-    barrier_timeout: float = 600.0
-    copy_threads: int | None = None     # default: one per core, at most 8
-
-
-@dataclass(frozen=True)
-class Segment:
-    source: int          # index into the rank's sources
-    src_offset: int
-    file_offset: int
-    nbytes: int
-
-
-@dataclass
-class FilePlan:
-    path: str
-    size: int
-    segments: list[Segment] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._starts: list[int] = []
-
-    def locate(self, file_offset: int) -> int:
-        if len(self._starts) != len(self.segments):
-            self._starts = [s.file_offset for s in self.segments]
-        return max(0, bisect.bisect_right(self._starts, file_offset) - 1)
-
-
-def plan(sizes: Sequence[int], nfiles: int, rank: int, sid: str) -> list[FilePlan]:
-    """Cut the concatenation of the buffers into <= nfiles shards of equal, 4 KiB-aligned size."""
-    total = sum(sizes)
-    nfiles = max(1, min(nfiles, -(-total // ALIGN)))
-    per_file = -(-total // nfiles)
-    per = -(-per_file // ALIGN) * ALIGN if total else 0
-    files = [FilePlan(SHARD.format(rank=rank, i=i, sid=sid), 0) for i in range(nfiles)]
-    fi = 0
-    for si, size in enumerate(sizes):
-        done = 0
-        while done < size:
-            f = files[fi]
-            if per and f.size >= per and fi < nfiles - 1:
-                fi += 1
-                continue
-            take = size - done if fi == nfiles - 1 else min(size - done, per - f.size)
-            f.segments.append(Segment(si, done, f.size, take))
-            f.size += take
-            done += take
-    return files
-
-
-class _Pipeline:
-    """Writer threads for one rank's shards, fed block by block by a producer."""
-
-    def __init__(self, ckpt_dir: Path, dfd: int, files: list[FilePlan], sources: list[Source], pool: BlockPool,
-                 opts: WriteOptions, progress: Progress | None) -> None:
-        self.dir, self.files, self.sources, self.pool, self.opts = ckpt_dir, files, sources, pool, opts
-        self.dfd = dfd
-        self.progress = progress
-        self.aborted = threading.Event()
-        self.error: BaseException | None = None
-        self._err_lock = threading.Lock()
-        self._work: queue.Queue[int | None] = queue.Queue()
-        self._chunks: list[queue.Queue[tuple[int, int, int]]] = [queue.Queue() for _ in files]
-        self._sched_lock = threading.Lock()
-        self._pending = deque(range(len(files)))
-        self._active: list[list[int]] = []
-        self._rr = 0
-        # Copy threads: memmove releases the GIL, so several cores share the snapshot copy.
-        self.ncopy = max(1, min(opts.copy_threads or (os.cpu_count() or 1), self.pool.nblocks // 2 or 1, 8))
-        self.entries: list[mf.FileEntry | None] = [None] * len(files)
-        self.direct_used = opts.direct
-        self.nthreads = max(1, min(opts.threads, len(files)))
-        self._threads = [threading.Thread(target=self._run, name=f"ckpt-writer-{i}", daemon=True) for i in range(self.nthreads)]
-        self.rank = 0
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def fail(self, exc: BaseException) -> None:
-        with self._err_lock:
-            if self.error is None:
-                self.error = exc
-        self.aborted.set()
-
-    # -- producers: the caller's thread (plus helpers) for a snapshot, background threads for zero-copy --
-    def produce(self) -> None:
-        """Copy every byte into pool blocks; returns when the last byte is copied (or on failure)."""
-        helpers = [threading.Thread(target=self._produce_guarded, name=f"ckpt-copy-{i}", daemon=True)
-                   for i in range(self.ncopy - 1)]
-        for t in helpers:
-            t.start()
-        self._produce_guarded()
-        for t in helpers:
-            t.join()
-        try:
-            if self.error is None:
-                for s in self.sources:
-                    why = s.changed()
-                    if why:
-                        raise IntegrityError(f"{why}; nothing was committed. Keep buffers unchanged until the save has "
-                                             "snapshotted them (async) or finished (zero-copy, handle.wait())")
-        except BaseException as e:
-            self.fail(e)
-        finally:
-            for _ in self._threads:
-                self._work.put(None)
-
-    def _produce_guarded(self) -> None:
-        try:
-            self._produce()
-        except Aborted:
-            pass
-        except BaseException as e:
-            self.fail(e)
-
-    def _next_task(self) -> tuple[int, int, int] | None:
-        """The next block to copy, round-robin over the shards being written (at most one per writer)."""
-        with self._sched_lock:
-            while len(self._active) < self.nthreads and self._pending:
-                fi = self._pending.popleft()
-                self._work.put(fi)
-                if self.files[fi].size:
-                    self._active.append([fi, 0])
-            if not self._active:
-                return None
-            self._rr %= len(self._active)
-            st = self._active[self._rr]
-            fi, off = st
-            n = min(self.pool.block_size, self.files[fi].size - off)
-            st[1] += n
-            if st[1] >= self.files[fi].size:
-                self._active.pop(self._rr)
-            else:
-                self._rr += 1
-            return fi, off, n
-
-    def _produce(self) -> None:
-        while True:
-            if self.aborted.is_set():
-                raise Aborted()
-            # The block first, then the task: a task handed out can always be completed (no deadlock
-            # with a small pool and several copy threads).
-            idx = self.pool.acquire(self.aborted)
-            task = self._next_task()
-            if task is None:
-                self.pool.release(idx)
-                return
-            fi, off, n = task
-            try:
-                self._fill(idx, self.files[fi], off, n)
-            except BaseException:
-                self.pool.release(idx)
-                raise
-            self._chunks[fi].put((off, idx, n))
-
-    def _fill(self, idx: int, fp: FilePlan, file_off: int, n: int) -> None:
-        out, out_addr = self.pool.view(idx), self.pool.address(idx)
-        si = fp.locate(file_off)
-        pos = 0
-        while pos < n:
-            seg = fp.segments[si]
-            into = file_off + pos - seg.file_offset
-            take = min(seg.nbytes - into, n - pos)
-            self.sources[seg.source].copy_into(seg.src_offset + into, out[pos:pos + take], out_addr + pos)
-            pos += take
-            si += 1
-
-    # -- writers --
-    def _run(self) -> None:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
-            while True:
-                fi = self._work.get()
-                if fi is None or self.aborted.is_set():
-                    return
-                try:
-                    self.entries[fi] = self._write_file(fi, hasher)
-                except Aborted:
-                    return
-                except BaseException as e:
-                    self.fail(e)
-                    return
-
-    def _next_chunk(self, fi: int, off: int, held: dict[int, tuple[int, int]]) -> tuple[int, int]:
-        """The block holding `off` of shard fi; copy threads may deliver blocks out of order."""
-        q = self._chunks[fi]
-        while off not in held:
-            try:
-                o, idx, n = q.get(timeout=0.05)
-                held[o] = (idx, n)
-            except queue.Empty:
-                if self.aborted.is_set():
-                    raise Aborted() from None
-        return held.pop(off)
-
-    def _write_file(self, fi: int, hasher: ThreadPoolExecutor) -> mf.FileEntry:
-        fp = self.files[fi]
-        path = self.dir / fp.path
-        fd, direct = open_data(self.dfd, fp.path, path, self.opts.direct)
-        if not direct:
-            self.direct_used = False
-        held: dict[int, tuple[int, int]] = {}
-        try:
-            h = new_hasher() if self.opts.hash else None
-            off = 0
-            while off < fp.size:
-                idx, n = self._next_chunk(fi, off, held)
-                try:
-                    view = self.pool.view(idx)
-                    # Hash on a helper thread while this one writes the same block: xxh3 releases
-                    # the GIL, so the hash costs no device time (blocks stay in order per shard).
-                    hashed = hasher.submit(h.update, view[:n]) if h is not None else None
-                    wlen = n
-                    if direct and n % ALIGN:
-                        wlen = -(-n // ALIGN) * ALIGN
-                        view[n:wlen] = bytes(wlen - n)
-                    try:
-                        pwrite_all(fd, view[:wlen], off)
-                    finally:
-                        if hashed is not None:
-                            hashed.result()
-                finally:
-                    self.pool.release(idx)
-                off += n
-                if self.progress is not None:
-                    self.progress(n)
-            if direct and fp.size % ALIGN:
-                os.ftruncate(fd, fp.size)
-            os.fsync(fd)
-        except OSError as e:
-            raise os_error(e, path) from None
-        finally:
-            os.close(fd)
-            for idx, _ in held.values():
-                self.pool.release(idx)
-        return mf.FileEntry(fp.path, fp.size, h.hexdigest() if h is not None else None, self.rank)
-
-    def finish(self) -> list[mf.FileEntry]:
-        for t in self._threads:
-            if t.is_alive() or t.ident is not None:
-                t.join()
-        # Drain blocks left in queues by an abort, so the reusable pool stays whole.
-        for q in self._chunks:
-            while not q.empty():
-                self.pool.release(q.get_nowait()[1])
-        if self.error is not None:
-            raise self.error
-        return [e for e in self.entries if e is not None]
-
-
-def open_data(dfd: int, name: str, path: Path, direct: bool) -> tuple[int, bool]:
-    """Create a data file under its final name in the directory `dfd`; O_DIRECT where the file
-    system allows it. O_EXCL: the name is unique to this save, so anything already there (a
-    planted symlink, FIFO or hard link included) is refused, never followed or truncated."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-    fd = -1
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            fd = os.open(name, flags | os.O_DIRECT, 0o644, dir_fd=dfd)
-        except OSError as e:
-            if e.errno != errno.EINVAL:   # tmpfs and some FUSE mounts refuse O_DIRECT
-                raise os_error(e, path) from None
-    used_direct = fd >= 0
-    if fd < 0:
-        try:
-            fd = os.open(name, flags, 0o644, dir_fd=dfd)
-        except OSError as e:
-            raise os_error(e, path) from None
-    try:
-        os.fchmod(fd, 0o644)   # explicit: a umask of 000 must not widen it
-    except OSError as e:
-        os.close(fd)
-        raise os_error(e, path) from None
-    return fd, used_direct
-
-
-def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        view, offset = view[n:], offset + n
-
-
-def os_error(e: OSError, path: str | os.PathLike[str]) -> UserError:
-    p = Path(path)
-    if isinstance(e, fsafe.UnsafePath):
-        return UserError(f"{e.filename or p}: {e.strerror}; remove it (it is not the toolkit's) or choose another "
-                         "--root; the checkpoint was not committed", exit_code=4)
-    if e.errno == errno.EEXIST:
-        return UserError(f"{p} already exists: something else created a file under a name that is unique to this save; "
-                         "remove it and save again; the checkpoint was not committed", exit_code=4)
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return UserError(f"no space left writing {p} ({e.strerror}); free space on that file system "
-                         "(tiered-ckpt retention) or choose another --root; the checkpoint was not committed")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return UserError(f"cannot write {p} ({e.strerror}); check the permissions or mount of {p.parent} "
-                         "or choose another --root; the checkpoint was not committed")
-    if e.errno == errno.EFBIG:
-        return UserError(f"file too large writing {p} ({e.strerror}); raise the file size limit (ulimit -f) "
-                         "or use more --files; the checkpoint was not committed")
-    if e.errno in (errno.ENOENT, errno.ENOTDIR):
-        return UserError(f"{p.parent} disappeared while writing ({e.strerror}); check the mount; the checkpoint was not committed")
-    if e.errno == errno.ELOOP:
-        return UserError(f"{p} is a symbolic link; refused (never followed); remove it; the checkpoint was not committed",
-                         exit_code=4)
-    return UserError(f"writing {p} failed: {e.strerror or e} (errno {e.errno}); the checkpoint was not committed")
-
-
-def write_small(dfd: int, name: str, data: bytes) -> None:
-    """A small new file (part manifest, failure note) under its final name in `dfd`, fsynced."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644,
-                 dir_fd=dfd)
-    try:
-        os.fchmod(fd, 0o644)
-        pwrite_all(fd, memoryview(data), 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_small(dfd: int, name: str) -> bytes | None:
-    """A small regular file of the directory `dfd` (None if absent, not regular, or too large)."""
-    try:
-        fd = fsafe.open_file(name, dir_fd=dfd)
-    except OSError:
-        return None
-    try:
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                return b"".join(chunks)
-            total += len(b)
-            if total > _SMALL_LIMIT:
-                return None
-            chunks.append(b)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _json_at(dfd: int, name: str) -> dict[str, Any] | None:
-    data = read_small(dfd, name)
-    if data is None:
-        return None
-    try:
-        d = json.loads(data)
-    except ValueError:
-        return None
-    return d if isinstance(d, dict) else None
-
-
-def _redact(text: str) -> str:
-    """No credential from a connection string or SAS URL in a log line."""
-    text = re.sub(r"(?i)(AccountKey|SharedAccessSignature|sig)=[^&;\s'\"]+", r"\1=REDACTED", text)
-    return re.sub(r"(https?://[^\s?'\"]+)\?[^\s'\"]*", r"\1?REDACTED", text)
 
 
 @dataclass
@@ -480,45 +60,7 @@ class SaveResult:
     seconds: float
     direct: bool
     hashed: bool
-
-
     save_id: str = ""
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-
-
-def _open_subdir(parent_fd: int, name: str, path: Path, create: bool) -> tuple[int, bool]:
-    """(fd, created) of the real directory `name` in `parent_fd`, made fsafe.DIR_MODE if `create` and missing.
-
-    A symlink (or anything not a directory) there is refused, never followed. The new entry is
-    made durable by the commit (it fsyncs the model directory and the root before the marker)."""
-    created = False
-    if create:
-        try:
-            os.mkdir(name, fsafe.DIR_MODE, dir_fd=parent_fd)
-            created = True
-        except FileExistsError:
-            pass
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            try:
-                what = fsafe.kind(os.lstat(name, dir_fd=parent_fd).st_mode)
-            except OSError:
-                what = "not a directory"
-            raise UserError(f"{path} is {what}, not a directory; refused (a save never writes through a symlink "
-                            "nor deletes anything it points at): remove it, or choose another --root/model",
-                            exit_code=4) from None
-        raise
-    if created:
-        try:
-            os.fchmod(fd, fsafe.DIR_MODE)   # explicit: the umask must not decide (fsafe.DIR_MODE says why)
-        except BaseException:
-            os.close(fd)
-            raise
-    return fd, created
 
 
 class Save:
@@ -537,7 +79,7 @@ class Save:
         self.mdir = self.root / model
         self.dir = self.mdir / cid.name
         self.t0 = time.perf_counter()
-        self.pipeline: _Pipeline | None = None
+        self.pipeline: Pipeline | None = None
         self.files: list[FilePlan] = []
         self.dfd: int | None = None
         self.entries: list[mf.FileEntry] = []
@@ -590,7 +132,7 @@ class Save:
         rfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             try:
-                fd, _ = _open_subdir(rfd, self.model, self.mdir, create)
+                fd, _ = open_subdir(rfd, self.model, self.mdir, create)
             except OSError as e:
                 raise os_error(e, self.mdir) from None
             return fd
@@ -609,7 +151,7 @@ class Save:
             self._claim = claim
             self._refuse_if_committed(mfd)
             journal.forget(self.root, self.model, self.cid.name)
-            self.dfd, _ = _open_subdir(mfd, self.cid.name, self.dir, create=True)
+            self.dfd, _ = open_subdir(mfd, self.cid.name, self.dir, create=True)
         finally:
             os.close(mfd)
         if not os.access(self.dir, os.W_OK):
@@ -624,9 +166,9 @@ class Save:
         except FileNotFoundError:
             st = None
         if st is not None and stat.S_ISDIR(st.st_mode):
-            fd, _ = _open_subdir(mfd, self.cid.name, self.dir, create=False)
+            fd, _ = open_subdir(mfd, self.cid.name, self.dir, create=False)
             try:
-                m = self._valid_marker(fd)
+                m = save_commit.valid_marker(fd, self.cid)
             finally:
                 os.close(fd)
             if m is not None:
@@ -635,7 +177,7 @@ class Save:
                     "save under another epoch/step, or delete it first (tiered-ckpt retention)"
                 )
         elif st is not None:
-            _open_subdir(mfd, self.cid.name, self.dir, create=False)   # raises: a symlink or a file
+            open_subdir(mfd, self.cid.name, self.dir, create=False)   # raises: a symlink or a file
         if tombstone.present(self.root, self.model, self.cid.name):
             raise ConflictError(
                 f"{self.cid.name} is committed in the archive (retention deleted it here after archiving it: "
@@ -648,16 +190,6 @@ class Save:
                 "committed checkpoints are never overwritten — save under another epoch/step, or bring it back with "
                 f"`tiered-ckpt restore {self.cid.name}`"
             )
-
-    def _valid_marker(self, dfd: int) -> mf.Manifest | None:
-        data = read_small(dfd, mf.MARKER)
-        if data is None:
-            return None
-        try:
-            m = mf.Manifest.from_json(data)
-        except ValueError:
-            return None
-        return m if m.id == self.cid else None
 
     def _committed_in_archive(self) -> bool:
         """Whether Blob holds this name's marker; False (with a warning) if the archive cannot be asked."""
@@ -673,7 +205,7 @@ class Save:
         except Exception as e:  # noqa: BLE001 - any failure to ask means "unknown", never "stop training"
             msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             log.warning("could not check whether %s is committed in the archive (%s); saving anyway: file names are "
-                        "unique per save, so no archived file can be overwritten", self.cid.name, _redact(msg))
+                        "unique per save, so no archived file can be overwritten", self.cid.name, redact(msg))
             return False
 
     def _clear_stale(self) -> None:
@@ -712,10 +244,10 @@ class Save:
         """File mode, rank > 0: the directories (rank 0 may not be there yet), own stale files of this id."""
         mfd = self._open_model_dir(create=True)
         try:
-            self.dfd, _ = _open_subdir(mfd, self.cid.name, self.dir, create=True)
+            self.dfd, _ = open_subdir(mfd, self.cid.name, self.dir, create=True)
         finally:
             os.close(mfd)
-        m = self._valid_marker(self.dfd)
+        m = save_commit.valid_marker(self.dfd, self.cid)
         if m is not None:
             raise ConflictError(
                 f"{self.dir} is already a committed checkpoint; committed checkpoints are never overwritten — "
@@ -726,7 +258,7 @@ class Save:
     def _start(self) -> None:
         assert self.dfd is not None
         self.files = plan([s.nbytes for s in self.sources], self.opts.files, self.comm.rank, self.save_id)
-        self.pipeline = _Pipeline(self.dir, self.dfd, self.files, self.sources, self.pool, self.opts, self.progress)
+        self.pipeline = Pipeline(self.dir, self.dfd, self.files, self.sources, self.pool, self.opts, self.progress)
         self.pipeline.rank = self.comm.rank
         self.pipeline.start()
 
@@ -774,7 +306,7 @@ class Save:
             raise os_error(e, self.dir) from None
         self.entries = entries
         if self.file_mode and self.comm.rank == 0:
-            self._wait_for_parts()
+            save_commit.wait_for_parts(self.dfd, self.cid, self.save_id, self.comm.world_size, self.opts.barrier_timeout)
 
     def _commit_local(self) -> None:
         if self.comm.rank == 0:
@@ -784,7 +316,8 @@ class Save:
                 raise os_error(e, self.dir / mf.MARKER) from None
             self._release()
         elif self.file_mode:
-            self._wait_for_marker()
+            assert self.dfd is not None
+            save_commit.wait_for_marker(self.dfd, self.cid, self.save_id, self.opts.barrier_timeout)
 
     def on_failure(self, exc: BaseException) -> None:
         """On every failure path: stop the writers, tell file-mode ranks, remove this rank's files
@@ -801,7 +334,7 @@ class Save:
             if not self._marker_attempted:
                 self._cleanup_own(keep_note=True)
                 if self.comm.world_size == 1:
-                    self._remove_dir_if_empty()
+                    remove_dir_if_empty(self.root, self.mdir, self.cid.name)
         finally:
             self._close()      # the save is over: release the claim, close the directory
 
@@ -820,231 +353,30 @@ class Save:
             self.dfd = None
 
     def _cleanup_own(self, keep_note: bool) -> None:
-        """Remove this rank's files of this save id only: never another save's, never another rank's."""
-        if self.dfd is None:
-            return
-        removed = False
-        try:
-            with os.scandir(self.dfd) as it:
-                names = [e.name for e in it]
-            for name in names:
-                owner = file_owner(name)
-                if owner is None or owner[0] != self.comm.rank or owner[1] != self.save_id:
-                    continue
-                if keep_note and owner[2] == "failed":
-                    continue
-                try:
-                    os.unlink(name, dir_fd=self.dfd)
-                    removed = True
-                except FileNotFoundError:
-                    pass
-            if removed:
-                os.fsync(self.dfd)
-        except OSError:
-            pass   # best effort: the next save of this name removes what is left, under its claim
-
-    def _remove_dir_if_empty(self) -> None:
-        try:
-            mfd = fsafe.open_dir(self.mdir, anchor=self.root)
-        except OSError:
-            return
-        try:
-            os.rmdir(self.cid.name, dir_fd=mfd)   # only if empty: never removes anything another writer put there
-            os.fsync(mfd)
-        except OSError:
-            pass
-        finally:
-            os.close(mfd)
+        if self.dfd is not None:
+            save_commit.cleanup_own(self.dfd, self.comm.rank, self.save_id, keep_note)
 
     def _write_part(self, entries: list[mf.FileEntry]) -> None:
         assert self.dfd is not None
-        index: dict[str, Any] = {}
-        by_source: dict[int, list[list[Any]]] = {}
-        for fp in self.files:
-            for seg in fp.segments:
-                by_source.setdefault(seg.source, []).append([fp.path, seg.file_offset, seg.nbytes, seg.src_offset])
-        for si, s in enumerate(self.sources):
-            index[s.name] = {"kind": s.kind, "dtype": s.dtype, "shape": s.shape, "nbytes": s.nbytes,
-                             "segments": by_source.get(si, [])}
-        part = {"save_id": self.save_id, "rank": self.comm.rank, "world_size": self.comm.world_size,
-                "checkpoint": self.cid.name, "files": [e.__dict__ for e in entries], "index": index}
-        write_small(self.dfd, PART.format(rank=self.comm.rank, sid=self.save_id), json.dumps(part, sort_keys=True).encode())
-        os.fsync(self.dfd)
+        save_commit.write_part(self.dfd, self.cid, self.save_id, self.comm.rank, self.comm.world_size, self.files,
+                               self.sources, entries)
 
     def _note_failure(self, exc: BaseException) -> None:
         """File mode: tell the other ranks (they poll for it) that this rank failed."""
         if self._noted:
             return
         self._noted = True
-        note_failure(self.root, self.model, self.cid, self.comm.rank, self.comm.world_size, self.save_id, exc, self.dfd)
-
-    # -- file mode waits ----------------------------------------------------------------
-    def _wait_for_parts(self) -> None:
-        assert self.dfd is not None
-        deadline = time.monotonic() + self.opts.barrier_timeout
-        missing = set(range(1, self.comm.world_size))
-        while missing:
-            for r in sorted(missing):
-                failed = _json_at(self.dfd, FAILED.format(rank=r, sid=self.save_id))
-                if failed is not None and failed.get("save_id") == self.save_id:
-                    raise _noted_error(failed, f"rank {r} failed while writing {self.cid.name}: {failed.get('error')}",
-                                       "; nothing was committed")
-                part = _json_at(self.dfd, PART.format(rank=r, sid=self.save_id))
-                if part is not None and part.get("save_id") == self.save_id:
-                    missing.discard(r)
-            if missing and time.monotonic() > deadline:
-                raise UserError(
-                    f"rank(s) {sorted(missing)} did not finish writing {self.cid.name} within {self.opts.barrier_timeout:.0f} s "
-                    f"(no {PART.format(rank=min(missing), sid=self.save_id)}); nothing was committed"
-                )
-            if missing:
-                time.sleep(0.02)
-
-    def _wait_for_marker(self) -> None:
-        """Rank > 0 without torch: rank 0 waits up to barrier_timeout for the slowest rank, then commits or fails."""
-        assert self.dfd is not None
-        limit = 2 * self.opts.barrier_timeout + 5
-        deadline = time.monotonic() + limit
-        while True:
-            m = self._valid_marker(self.dfd)
-            if m is not None:
-                if m.save_id == self.save_id:
-                    return
-                raise ConflictError(f"another save (save id {m.save_id!r}) committed {self.cid.name} while this one was "
-                                    "writing; this save's files are not part of it — save under another epoch/step")
-            failed = _json_at(self.dfd, FAILED.format(rank=0, sid=self.save_id))
-            if failed is not None and failed.get("save_id") == self.save_id:
-                raise _noted_error(failed, f"rank 0 could not commit {self.cid.name}: {failed.get('error')}",
-                                   "; this rank's files are not committed")
-            if time.monotonic() > deadline:
-                raise UserError(f"rank 0 did not commit {self.cid.name} within {limit:.0f} s; it is not committed")
-            time.sleep(0.02)
+        save_commit.note_failure(self.root, self.model, self.cid, self.comm.rank, self.comm.world_size, self.save_id, exc, self.dfd)
 
     # -- rank 0 --------------------------------------------------------------------------
     def _commit(self) -> None:
         assert self.dfd is not None
-        parts: list[dict[str, Any]] = []
-        files: list[mf.FileEntry] = []
-        for r in range(self.comm.world_size):
-            name = PART.format(rank=r, sid=self.save_id)
-            data = read_small(self.dfd, name)
-            part: Any = None
-            if data is not None:
-                try:
-                    part = json.loads(data)
-                except ValueError:
-                    part = None
-            # Only this save's own parts: the id is in the name and inside, and must match both.
-            if (not isinstance(part, dict) or part.get("save_id") != self.save_id or part.get("rank") != r
-                    or part.get("checkpoint") != self.cid.name):
-                raise IntegrityError(f"part manifest of rank {r} ({self.dir / name}) is missing or not of this save; "
-                                     "nothing was committed")
-            assert data is not None
-            parts.append(part)
-            files += [mf.FileEntry(**f) for f in part["files"]]
-            h = new_hasher()
-            h.update(data)
-            files.append(mf.FileEntry(name, len(data), h.hexdigest(), r))   # the bytes just parsed, hashed
-        index = {"save_id": self.save_id, "ranks": {str(r): p["index"] for r, p in enumerate(parts)}}
-        m = mf.Manifest(epoch=self.cid.epoch, step=self.cid.step, files=files, world_size=self.comm.world_size,
-                        index=index, save_id=self.save_id)
-        listed = {f.path for f in files}
-        removed = False
-        with os.scandir(self.dfd) as it:
-            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        for name, is_dir in names:
-            if name not in listed and name != mf.MARKER and not is_dir:
-                try:
-                    os.unlink(name, dir_fd=self.dfd)   # left by an earlier attempt or a losing saver; never followed
-                    removed = True
-                except FileNotFoundError:
-                    pass
-        if removed:
-            os.fsync(self.dfd)
-        problems = []
-        for f in files:
-            try:
-                st = os.stat(f.path, dir_fd=self.dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                problems.append(f"{self.dir / f.path}: missing")
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
-                problems.append(f"{self.dir / f.path}: {st.st_size} bytes, manifest says {f.size}"
-                                if stat.S_ISREG(st.st_mode) else f"{self.dir / f.path}: not a regular file")
-        if problems:
-            raise IntegrityError(f"{self.cid.name} not committed: " + "; ".join(problems))
-        # The marker is written by path: the path must still be the directory written into.
-        try:
-            now = fsafe.open_dir(self.dir, anchor=self.root)
-        except OSError as e:
-            raise IntegrityError(f"{self.dir} was replaced while saving ({e.strerror}); {self.cid.name} not committed") from None
-        try:
-            a, b = os.fstat(now), os.fstat(self.dfd)
-        finally:
-            os.close(now)
-        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
-            raise IntegrityError(f"{self.dir} was replaced by another directory while saving; {self.cid.name} not committed")
+        m = save_commit.marker_of(self.dfd, self.root, self.dir, self.cid, self.save_id, self.comm.world_size)
         # The directory entries (checkpoint in model, model in root) are durable before the marker:
         # a power loss must not keep the marker and lose the directory holding it.
-        self._sync_parents()
+        fsync_parents(self.root, self.mdir)
         self._marker_attempted = True
         mf.write_marker(self.dir, m, dir_fd=self.dfd)
-
-    def _sync_parents(self) -> None:
-        mfd = fsafe.open_dir(self.mdir, anchor=self.root)
-        try:
-            os.fsync(mfd)
-        finally:
-            os.close(mfd)
-        rfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(rfd)
-        finally:
-            os.close(rfd)
-
-
-def note_failure(root: Path, model: str, cid: CheckpointId, rank: int, world_size: int, sid: str,
-                 exc: BaseException, dfd: int | None = None) -> None:
-    """File mode: leave `rank{r}.<sid>.failed.json` so the other ranks stop at once (best effort).
-
-    Also for a rank that failed before its save was set up. The directory is made if missing
-    (the other ranks wait in it); a note is never added to a committed checkpoint."""
-    err = as_user_error(exc, rank, world_size, "saving", cid.name)
-    own = dfd is None
-    try:
-        if dfd is None:
-            rfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                mfd, _ = _open_subdir(rfd, model, Path(root) / model, create=True)
-            finally:
-                os.close(rfd)
-            try:
-                dfd, _ = _open_subdir(mfd, cid.name, Path(root) / model / cid.name, create=True)
-            finally:
-                os.close(mfd)
-        try:
-            m = mf.Manifest.from_json(read_small(dfd, mf.MARKER) or b"")
-            if m.id == cid:
-                return
-        except ValueError:
-            pass
-        write_small(dfd, FAILED.format(rank=rank, sid=sid),
-                    json.dumps({"save_id": sid, "error": str(err), "error_class": type(err).__name__,
-                                "exit_code": err.exit_code}).encode())
-        os.fsync(dfd)
-    except (OSError, UserError):
-        pass
-    finally:
-        if own and dfd is not None:
-            os.close(dfd)
-
-
-def _noted_error(note: dict[str, Any], message: str, tail: str) -> UserError:
-    """The error a failure note describes, of its class (a ConflictError stays one)."""
-    code = note.get("exit_code")
-    code = code if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 128 else None
-    cls = ERROR_CLASSES.get(str(note.get("error_class")), UserError)
-    return cls(message if "not committed" in message else message + tail, exit_code=code)
 
 
 def run_async(save: Save, zero_copy: bool) -> Future[SaveResult]:

@@ -47,7 +47,7 @@ from tiered_ckpt.errors import EXIT_CONFLICT, ConflictError, IntegrityError, Una
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.io.lock import checkpoint_lock
-from tiered_ckpt.io.writer import os_error
+from tiered_ckpt.io.posix import os_error
 from tiered_ckpt.lifecycle import tombstone
 from tiered_ckpt.lifecycle.journal import forget, note_restored
 from tiered_ckpt.naming import require_name

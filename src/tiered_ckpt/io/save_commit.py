@@ -1,0 +1,243 @@
+"""How a save ends, in its checkpoint directory: committed, or failed and cleaned up.
+
+Commit, following commit.py: each rank writes its part manifest (a file under its final
+name, listed in the marker like any file, so AMLFS exports it too); after every rank is done
+rank 0 writes COMMITTED.json naming every rank's files. No renames anywhere.
+
+Without torch.distributed ("file mode") the ranks meet here, in the directory: rank 0 waits for
+every rank's part manifest (or its failure note), the others wait for the marker (or rank 0's
+note). A rank that fails leaves `rank{r}.<sid>.failed.json` so the others stop at once, and
+removes its own files of the save: only ever files carrying its own rank and save id.
+
+Every function works on the open checkpoint directory `dfd` (see posix.py: nothing followed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from tiered_ckpt.distributed import ERROR_CLASSES, as_user_error
+from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import fsafe
+from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.layout import FAILED, PART, FilePlan, file_owner
+from tiered_ckpt.io.posix import json_at, open_subdir, read_small, write_small
+from tiered_ckpt.io.sources import Source
+from tiered_ckpt.naming import CheckpointId
+
+
+def valid_marker(dfd: int, cid: CheckpointId) -> mf.Manifest | None:
+    """The marker of the directory `dfd` if it is valid and of checkpoint `cid`, else None."""
+    data = read_small(dfd, mf.MARKER)
+    if data is None:
+        return None
+    try:
+        m = mf.Manifest.from_json(data)
+    except ValueError:
+        return None
+    return m if m.id == cid else None
+
+
+# -- this rank ---------------------------------------------------------------------------
+def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size: int, files: list[FilePlan],
+               sources: list[Source], entries: list[mf.FileEntry]) -> None:
+    """This rank's part manifest: its files and where every buffer lives in them; fsynced."""
+    index: dict[str, Any] = {}
+    by_source: dict[int, list[list[Any]]] = {}
+    for fp in files:
+        for seg in fp.segments:
+            by_source.setdefault(seg.source, []).append([fp.path, seg.file_offset, seg.nbytes, seg.src_offset])
+    for si, s in enumerate(sources):
+        index[s.name] = {"kind": s.kind, "dtype": s.dtype, "shape": s.shape, "nbytes": s.nbytes,
+                         "segments": by_source.get(si, [])}
+    part = {"save_id": save_id, "rank": rank, "world_size": world_size,
+            "checkpoint": cid.name, "files": [e.__dict__ for e in entries], "index": index}
+    write_small(dfd, PART.format(rank=rank, sid=save_id), json.dumps(part, sort_keys=True).encode())
+    os.fsync(dfd)
+
+
+def cleanup_own(dfd: int, rank: int, save_id: str, keep_note: bool) -> None:
+    """Remove this rank's files of this save id only: never another save's, never another rank's."""
+    removed = False
+    try:
+        with os.scandir(dfd) as it:
+            names = [e.name for e in it]
+        for name in names:
+            owner = file_owner(name)
+            if owner is None or owner[0] != rank or owner[1] != save_id:
+                continue
+            if keep_note and owner[2] == "failed":
+                continue
+            try:
+                os.unlink(name, dir_fd=dfd)
+                removed = True
+            except FileNotFoundError:
+                pass
+        if removed:
+            os.fsync(dfd)
+    except OSError:
+        pass   # best effort: the next save of this name removes what is left, under its claim
+
+
+def note_failure(root: Path, model: str, cid: CheckpointId, rank: int, world_size: int, sid: str,
+                 exc: BaseException, dfd: int | None = None) -> None:
+    """File mode: leave `rank{r}.<sid>.failed.json` so the other ranks stop at once (best effort).
+
+    Also for a rank that failed before its save was set up. The directory is made if missing
+    (the other ranks wait in it); a note is never added to a committed checkpoint."""
+    err = as_user_error(exc, rank, world_size, "saving", cid.name)
+    own = dfd is None
+    try:
+        if dfd is None:
+            rfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                mfd, _ = open_subdir(rfd, model, Path(root) / model, create=True)
+            finally:
+                os.close(rfd)
+            try:
+                dfd, _ = open_subdir(mfd, cid.name, Path(root) / model / cid.name, create=True)
+            finally:
+                os.close(mfd)
+        try:
+            m = mf.Manifest.from_json(read_small(dfd, mf.MARKER) or b"")
+            if m.id == cid:
+                return
+        except ValueError:
+            pass
+        write_small(dfd, FAILED.format(rank=rank, sid=sid),
+                    json.dumps({"save_id": sid, "error": str(err), "error_class": type(err).__name__,
+                                "exit_code": err.exit_code}).encode())
+        os.fsync(dfd)
+    except (OSError, UserError):
+        pass
+    finally:
+        if own and dfd is not None:
+            os.close(dfd)
+
+
+def _noted_error(note: dict[str, Any], message: str, tail: str) -> UserError:
+    """The error a failure note describes, of its class (a ConflictError stays one)."""
+    code = note.get("exit_code")
+    code = code if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 128 else None
+    cls = ERROR_CLASSES.get(str(note.get("error_class")), UserError)
+    return cls(message if "not committed" in message else message + tail, exit_code=code)
+
+
+# -- file mode waits ------------------------------------------------------------------------
+def wait_for_parts(dfd: int, cid: CheckpointId, save_id: str, world_size: int, barrier_timeout: float) -> None:
+    """Rank 0 without torch: until every other rank's part of this save is there (or one failed)."""
+    deadline = time.monotonic() + barrier_timeout
+    missing = set(range(1, world_size))
+    while missing:
+        for r in sorted(missing):
+            failed = json_at(dfd, FAILED.format(rank=r, sid=save_id))
+            if failed is not None and failed.get("save_id") == save_id:
+                raise _noted_error(failed, f"rank {r} failed while writing {cid.name}: {failed.get('error')}",
+                                   "; nothing was committed")
+            part = json_at(dfd, PART.format(rank=r, sid=save_id))
+            if part is not None and part.get("save_id") == save_id:
+                missing.discard(r)
+        if missing and time.monotonic() > deadline:
+            raise UserError(
+                f"rank(s) {sorted(missing)} did not finish writing {cid.name} within {barrier_timeout:.0f} s "
+                f"(no {PART.format(rank=min(missing), sid=save_id)}); nothing was committed"
+            )
+        if missing:
+            time.sleep(0.02)
+
+
+def wait_for_marker(dfd: int, cid: CheckpointId, save_id: str, barrier_timeout: float) -> None:
+    """Rank > 0 without torch: rank 0 waits up to barrier_timeout for the slowest rank, then commits or fails."""
+    limit = 2 * barrier_timeout + 5
+    deadline = time.monotonic() + limit
+    while True:
+        m = valid_marker(dfd, cid)
+        if m is not None:
+            if m.save_id == save_id:
+                return
+            raise ConflictError(f"another save (save id {m.save_id!r}) committed {cid.name} while this one was "
+                                "writing; this save's files are not part of it — save under another epoch/step")
+        failed = json_at(dfd, FAILED.format(rank=0, sid=save_id))
+        if failed is not None and failed.get("save_id") == save_id:
+            raise _noted_error(failed, f"rank 0 could not commit {cid.name}: {failed.get('error')}",
+                               "; this rank's files are not committed")
+        if time.monotonic() > deadline:
+            raise UserError(f"rank 0 did not commit {cid.name} within {limit:.0f} s; it is not committed")
+        time.sleep(0.02)
+
+
+# -- rank 0 ------------------------------------------------------------------------------------
+def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: str, world_size: int) -> mf.Manifest:
+    """The marker naming every rank's files of this save, once all is checked (rank 0).
+
+    Reads every rank's part (only this save's own), removes anything it does not list, checks
+    every listed file's size, and that `ckpt_dir` is still the directory `dfd` written into.
+    Raises IntegrityError when any of it fails: nothing is committed.
+    """
+    parts: list[dict[str, Any]] = []
+    files: list[mf.FileEntry] = []
+    for r in range(world_size):
+        name = PART.format(rank=r, sid=save_id)
+        data = read_small(dfd, name)
+        part: Any = None
+        if data is not None:
+            try:
+                part = json.loads(data)
+            except ValueError:
+                part = None
+        # Only this save's own parts: the id is in the name and inside, and must match both.
+        if (not isinstance(part, dict) or part.get("save_id") != save_id or part.get("rank") != r
+                or part.get("checkpoint") != cid.name):
+            raise IntegrityError(f"part manifest of rank {r} ({ckpt_dir / name}) is missing or not of this save; "
+                                 "nothing was committed")
+        assert data is not None
+        parts.append(part)
+        files += [mf.FileEntry(**f) for f in part["files"]]
+        h = new_hasher()
+        h.update(data)
+        files.append(mf.FileEntry(name, len(data), h.hexdigest(), r))   # the bytes just parsed, hashed
+    index = {"save_id": save_id, "ranks": {str(r): p["index"] for r, p in enumerate(parts)}}
+    m = mf.Manifest(epoch=cid.epoch, step=cid.step, files=files, world_size=world_size,
+                    index=index, save_id=save_id)
+    listed = {f.path for f in files}
+    removed = False
+    with os.scandir(dfd) as it:
+        names = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in names:
+        if name not in listed and name != mf.MARKER and not is_dir:
+            try:
+                os.unlink(name, dir_fd=dfd)   # left by an earlier attempt or a losing saver; never followed
+                removed = True
+            except FileNotFoundError:
+                pass
+    if removed:
+        os.fsync(dfd)
+    problems = []
+    for f in files:
+        try:
+            st = os.stat(f.path, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            problems.append(f"{ckpt_dir / f.path}: missing")
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
+            problems.append(f"{ckpt_dir / f.path}: {st.st_size} bytes, manifest says {f.size}"
+                            if stat.S_ISREG(st.st_mode) else f"{ckpt_dir / f.path}: not a regular file")
+    if problems:
+        raise IntegrityError(f"{cid.name} not committed: " + "; ".join(problems))
+    # The marker is written by path: the path must still be the directory written into.
+    try:
+        now = fsafe.open_dir(ckpt_dir, anchor=root)
+    except OSError as e:
+        raise IntegrityError(f"{ckpt_dir} was replaced while saving ({e.strerror}); {cid.name} not committed") from None
+    try:
+        a, b = os.fstat(now), os.fstat(dfd)
+    finally:
+        os.close(now)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        raise IntegrityError(f"{ckpt_dir} was replaced by another directory while saving; {cid.name} not committed")
+    return m
