@@ -1,7 +1,7 @@
 """Tiered checkpoints on Azure: the node toolkit.
 
 Training code uses save / async_save / load / latest (see tiered_ckpt.api) and IoOptions (see
-tiered_ckpt.options); they are loaded lazily so the CLI starts fast.
+tiered_ckpt.io.options); they are loaded lazily so the CLI starts fast.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["save", "async_save", "load", "latest", "IoOptions"]
 
 def __getattr__(name: str) -> Any:
     if name == "IoOptions":
-        from tiered_ckpt.options import IoOptions
+        from tiered_ckpt.io.options import IoOptions
 
         return IoOptions
     if name in __all__:

@@ -8,10 +8,10 @@
 
 Settings come from the node config ($TIERED_CKPT_CONFIG, else /etc/tiered-ckpt/config.yaml;
 or config=) unless passed: root=, model=, and the I/O knobs as one `IoOptions` (options=),
-whose fields left at None take the config's io section (tiered_ckpt.options says the
+whose fields left at None take the config's io section (tiered_ckpt.io.options says the
 precedence and documents every field):
 
-    from tiered_ckpt.options import IoOptions
+    from tiered_ckpt.io.options import IoOptions
     tc.save(state, epoch=3, step=12000, options=IoOptions(files=16, hash=False))
 """
 from __future__ import annotations
@@ -28,11 +28,12 @@ from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import pools as staging
 from tiered_ckpt.io import reader, writer
 from tiered_ckpt.io.layout import SAVE_ID
+from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.save_commit import note_failure
 from tiered_ckpt.io.sources import to_sources
 from tiered_ckpt.io.writer import SaveResult
+from tiered_ckpt.lifecycle import reuse
 from tiered_ckpt.naming import CheckpointId, require_name, require_number
-from tiered_ckpt.options import IoOptions
 
 _DEFAULT = IoOptions()     # every field from the node config, or its documented default
 
@@ -70,7 +71,7 @@ def _cid(name: str | None, epoch: int | None, step: int | None) -> CheckpointId:
 
 def _require_options(options: Any) -> IoOptions:
     if not isinstance(options, IoOptions):
-        raise UserError(f"options={str(options)[:80]!r}: pass a tiered_ckpt.options.IoOptions, "
+        raise UserError(f"options={str(options)[:80]!r}: pass a tiered_ckpt.io.options.IoOptions, "
                         "e.g. options=IoOptions(files=16, threads=16)")
     return options
 
@@ -93,7 +94,8 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         pool = staging.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
         s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
                                        overwrite_incomplete=options.overwrite_incomplete, save_id=save_id,
-                                       progress=progress, archive=cfg.archive)
+                                       progress=progress,
+                                       name_check=reuse.checks_for(cfg.root, cfg.model, cid.name, cfg.archive))
         return s.prepare_local()
 
     def failed(exc: BaseException) -> None:

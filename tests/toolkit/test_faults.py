@@ -16,8 +16,8 @@ from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import pipeline, writer
+from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
-from tiered_ckpt.options import IoOptions
 
 
 def _committed_ok(path: Path) -> bool:

@@ -19,7 +19,7 @@ import json, sys
 import tiered_ckpt as tc
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.options import IoOptions
+from tiered_ckpt.io.options import IoOptions
 root, rank, world, sid, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10))
 data = bytes([rank + 1]) * (100_000 + rank * 12_345)

@@ -13,9 +13,9 @@ import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
 from tiered_ckpt.io.sources import SyntheticSource
-from tiered_ckpt.options import IoOptions
 
 
 def _state() -> dict[str, object]:
@@ -182,7 +182,7 @@ def test_io_options_take_the_config_io_section_where_unset(cfg: NodeConfig, root
     with pytest.raises(dataclasses.FrozenInstanceError):
         IoOptions().files = 3  # type: ignore[misc]
     assert tc.IoOptions is IoOptions
-    with pytest.raises(UserError, match="pass a tiered_ckpt.options.IoOptions"):
+    with pytest.raises(UserError, match="pass a tiered_ckpt.io.options.IoOptions"):
         tc.save({"a": b"x"}, epoch=0, step=1, config=cfg, options={"files": 2})  # type: ignore[arg-type]
     assert not (root / "m" / "global_epoch0_step1").exists()
     res = tc.save({"a": b"x" * 10_000}, epoch=0, step=1, config=cfg, options=IoOptions(files=2, hash=False))

@@ -20,7 +20,7 @@ import tiered_ckpt as tc
 from tiered_ckpt.io import lock
 from tiered_ckpt.io import writer
 from tiered_ckpt.config import IoConfig, NodeConfig
-from tiered_ckpt.options import IoOptions
+from tiered_ckpt.io.options import IoOptions
 root, store, rank, T = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10,
@@ -117,7 +117,7 @@ import json, sys, time
 import tiered_ckpt as tc
 from tiered_ckpt.io import writer
 from tiered_ckpt.config import IoConfig, NodeConfig
-from tiered_ckpt.options import IoOptions
+from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.errors import UserError
 root, rank, sid, fail_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10))

@@ -19,9 +19,9 @@ from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import layout, writer
+from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
 from tiered_ckpt.naming import parse_name, require_name
-from tiered_ckpt.options import IoOptions
 
 IO = "IoConfig(threads=2, files_per_rank=3, block_size=64 << 10, sync_buffer_bytes=256 << 10, staging_bytes=256 << 10)"
 
@@ -155,7 +155,7 @@ import json, sys
 import tiered_ckpt as tc
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.options import IoOptions
+from tiered_ckpt.io.options import IoOptions
 root, rank, sid, conn, container, fill = sys.argv[1:7]
 cfg = NodeConfig(root=root, model="m", backend="local", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10),
                  archive=ArchiveConfig(connection_string=conn, container=container, prefix="checkpoints", retries=1))

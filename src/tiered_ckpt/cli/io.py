@@ -16,9 +16,9 @@ from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe, reader, writer
 from tiered_ckpt.io import pools as staging
+from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.sources import SyntheticSource, to_sources
 from tiered_ckpt.naming import CheckpointId, require_name
-from tiered_ckpt.options import IoOptions
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: argparse.ArgumentParser) -> None:

@@ -19,10 +19,10 @@ from tiered_ckpt.errors import IntegrityError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.layout import FilePlan
+from tiered_ckpt.io.options import WriteOptions
 from tiered_ckpt.io.pools import ALIGN, Aborted, BlockPool
 from tiered_ckpt.io.posix import open_data, os_error, pwrite_all
 from tiered_ckpt.io.sources import Source
-from tiered_ckpt.options import WriteOptions
 
 Progress = Callable[[int], None]
 

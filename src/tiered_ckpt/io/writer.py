@@ -7,13 +7,10 @@ calls under all of them posix.py. Nothing is followed through a symlink (posix.p
 Who may reuse a name: rank 0 claims it (lock.checkpoint_lock, wait=0) before anything is
 written and holds the claim until the marker is written or the save failed; a second saver
 of that name gets ConflictError at once and writes nothing. Under the claim rank 0 refuses
-a name that is committed anywhere: here (a valid marker), archived and deleted locally by
-retention (tombstone.py), or - where an archive is configured - committed in Blob (one
-request for `<prefix>/<model>/<name>/COMMITTED.json`). If the archive cannot be reached
-the save goes on with a logged warning: training must not stop for the archive, and unique
-file names (layout.py) mean no archived blob can be overwritten either way. Also under the
-claim rank 0 drops retention's delete-journal entry of the name, and removes files of earlier,
-never-committed saves of the name (overwrite_incomplete=False refuses instead). Other ranks
+a name that is committed here (a valid marker), then runs the caller's `name_check` (the API
+passes lifecycle/reuse.py's: refuse a name committed in the archive, drop retention's
+delete-journal entry of the name), and removes files of earlier, never-committed saves of
+the name (overwrite_incomplete=False refuses instead). Other ranks
 only ever delete files carrying their own rank and save id.
 
 Any exception on any rank in any phase (prepare, write, commit) fails every rank: under
@@ -26,25 +23,23 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from tiered_ckpt.config import ArchiveConfig
 from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe, lock, save_commit
 from tiered_ckpt.io.layout import FilePlan, file_owner, new_save_id, plan, require_save_id
+from tiered_ckpt.io.options import WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline, Progress
 from tiered_ckpt.io.pools import BlockPool
 from tiered_ckpt.io.posix import fsync_parents, open_subdir, os_error, remove_dir_if_empty
 from tiered_ckpt.io.sources import Source
-from tiered_ckpt.lifecycle import journal, tombstone
 from tiered_ckpt.naming import CheckpointId
-from tiered_ckpt.options import WriteOptions
-from tiered_ckpt.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +67,12 @@ class Save:
     def __init__(self, root: Path, model: str, cid: CheckpointId, sources: list[Source], comm: Comm,
                  opts: WriteOptions, pool: BlockPool, *, overwrite_incomplete: bool = True,
                  save_id: str | None = None, progress: Progress | None = None,
-                 archive: ArchiveConfig | None = None) -> None:
+                 name_check: Callable[[], None] | None = None) -> None:
         self.root, self.model, self.cid, self.sources, self.comm, self.opts = Path(root), model, cid, sources, comm, opts
         self.pool, self.overwrite_incomplete, self.progress = pool, overwrite_incomplete, progress
-        self.archive = archive
+        # Called by rank 0 under the claim, after the local marker check: raises ConflictError if the
+        # name is committed elsewhere (the API passes lifecycle.reuse's; io knows nothing of tiers).
+        self.name_check = name_check
         self.mdir = self.root / model
         self.dir = self.mdir / cid.name
         self.t0 = time.perf_counter()
@@ -150,7 +147,6 @@ class Save:
                                     "save of the same step, save under another epoch/step") from None
             self._claim = claim
             self._refuse_if_committed(mfd)
-            journal.forget(self.root, self.model, self.cid.name)
             self.dfd, _ = open_subdir(mfd, self.cid.name, self.dir, create=True)
         finally:
             os.close(mfd)
@@ -178,35 +174,8 @@ class Save:
                 )
         elif st is not None:
             open_subdir(mfd, self.cid.name, self.dir, create=False)   # raises: a symlink or a file
-        if tombstone.present(self.root, self.model, self.cid.name):
-            raise ConflictError(
-                f"{self.cid.name} is committed in the archive (retention deleted it here after archiving it: "
-                f"{tombstone.tombstone_path(self.root, self.model, self.cid.name)}); committed checkpoints are never "
-                f"overwritten — save under another epoch/step, or bring it back with `tiered-ckpt restore {self.cid.name}`"
-            )
-        if self._committed_in_archive():
-            raise ConflictError(
-                f"{self.cid.name} is committed in the archive ({self.model}/{self.cid.name}/{mf.MARKER} exists in Blob); "
-                "committed checkpoints are never overwritten — save under another epoch/step, or bring it back with "
-                f"`tiered-ckpt restore {self.cid.name}`"
-            )
-
-    def _committed_in_archive(self) -> bool:
-        """Whether Blob holds this name's marker; False (with a warning) if the archive cannot be asked."""
-        if self.archive is None or not (self.archive.connection_string or self.archive.account_url):
-            return False
-        rel = f"{self.model}/{self.cid.name}/{mf.MARKER}"
-        try:
-            from tiered_ckpt.tiers import blob as blobstore  # the azure SDK only where an archive is configured
-
-            # One attempt, short timeouts: a save must not wait minutes for an unreachable archive.
-            store = blobstore.BlobStore(replace(self.archive, retries=0), connection_timeout=5.0, read_timeout=15.0)
-            return store.exists(rel)
-        except Exception as e:  # noqa: BLE001 - any failure to ask means "unknown", never "stop training"
-            msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            log.warning("could not check whether %s is committed in the archive (%s); saving anyway: file names are "
-                        "unique per save, so no archived file can be overwritten", self.cid.name, redact(msg))
-            return False
+        if self.name_check is not None:
+            self.name_check()      # committed elsewhere (the archive)? refuses; see lifecycle/reuse.py
 
     def _clear_stale(self) -> None:
         """Remove what earlier, never-committed saves of this name left (rank 0, under the claim).

@@ -1,7 +1,7 @@
 """The I/O options of save / async_save / load: one frozen dataclass, documented per field.
 
     import tiered_ckpt as tc
-    from tiered_ckpt.options import IoOptions
+    from tiered_ckpt.io.options import IoOptions
 
     fast = IoOptions(files=16, threads=16, hash=False)
     tc.save(state, epoch=3, step=12000, options=fast)
