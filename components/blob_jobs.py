@@ -20,12 +20,15 @@ from typing import Any
 import pulumi
 import pulumi.dynamic
 
+from tiered_ckpt.tiers.arm_model import ARCHIVE_BUSY, IMPORT_BUSY
+
 
 class WaitForBlobJobsProvider(pulumi.dynamic.ResourceProvider):
-    # Import job states in which the job still holds the file system's single blob-job slot.
-    BUSY_IMPORT = ("InProgress", "Cancelling", "Canceling")
-    # hsm.archiveStatus states of a manual export that is still running.
-    BUSY_ARCHIVE = ("InProgress", "FSScanInProgress", "Cancelling", "Canceling")
+    # Import job states in which the job still holds the file system's single blob-job slot, and
+    # hsm.archiveStatus states of a manual export that is still running (the REST spec's enums, in
+    # tiered_ckpt.tiers.arm_model). Copied onto the class so that they travel with the pickled provider.
+    BUSY_IMPORT = IMPORT_BUSY
+    BUSY_ARCHIVE = ARCHIVE_BUSY
 
     @classmethod
     def busy(cls, import_states: Iterable[str | None], archive_states: Iterable[str | None]) -> list[str]:

@@ -28,7 +28,7 @@ last successful export iteration recent, zero failed files, then disable auto-ex
   Training must be stopped before a teardown.
 
 Which checkpoints exist comes from Lustre when it was scanned (--lustre-root), else from the
-markers found in Blob; `GateResult.evidence` says which. All I/O lives in teardown.py.
+markers found in Blob; `GateResult.evidence` says which. All I/O lives in tiered_ops/evidence.py.
 """
 from __future__ import annotations
 
@@ -36,7 +36,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-MARKER = "COMMITTED.json"
+from tiered_ckpt.io.commit import MARKER
+from tiered_ckpt.tiers.arm_model import ADMIN_ENABLE, ARCHIVE_COMPLETED, AUTOEXPORT_DISABLED, AUTOEXPORT_RUNNING
+
+# ExportState.state when ARM has no auto-export job by that name (not an ARM state: a 404).
+EXPORT_NOT_FOUND = "NotFound"
 
 
 @dataclass(frozen=True)
@@ -156,9 +160,9 @@ def _export_problems(ev: Evidence, newest: CheckpointRecord | None) -> tuple[lis
     ma = ev.manual_archive
     if ma is not None:
         notes.append(f"manual archive of the checkpoint prefix started {_fmt(ma.started_utc)}: {ma.state}")
-        if ma.state != "Completed":
-            problems.append(Problem("archive-failed", f"the manual archive ended {ma.state}, not Completed",
-                                    expected="Completed", found=ma.state))
+        if ma.state != ARCHIVE_COMPLETED:
+            problems.append(Problem("archive-failed", f"the manual archive ended {ma.state}, not {ARCHIVE_COMPLETED}",
+                                    expected=ARCHIVE_COMPLETED, found=ma.state))
         elif newest_t is not None and ma.started_utc <= newest_t:
             problems.append(Problem(
                 "export-stale",
@@ -168,22 +172,22 @@ def _export_problems(ev: Evidence, newest: CheckpointRecord | None) -> tuple[lis
         return problems, notes
 
     ex = ev.export
-    if ex is None or ex.state == "NotFound":
+    if ex is None or ex.state == EXPORT_NOT_FOUND:
         problems.append(Problem("export-missing", "the auto-export job could not be found on the file system, so nothing "
-                                "proves that Lustre was exported", expected="InProgress", found="not found"))
+                                "proves that Lustre was exported", expected=AUTOEXPORT_RUNNING, found="not found"))
         return problems, notes
     notes.append(
         f"auto-export: state {ex.state}, admin {ex.admin_status or '?'}, last successful iteration {_fmt(ex.last_success_utc)}, "
         f"failed files total {ex.total_files_failed} / current iteration {ex.current_iteration_files_failed}"
     )
-    healthy = ex.state == "InProgress" and ex.admin_status in ("", "Enable")
-    ours = ev.disabled_by_teardown and ex.state == "Disabled"
+    healthy = ex.state == AUTOEXPORT_RUNNING and ex.admin_status in ("", ADMIN_ENABLE)
+    ours = ev.disabled_by_teardown and ex.state == AUTOEXPORT_DISABLED
     if not (healthy or ours):
         problems.append(Problem(
             "export-state",
-            f"auto-export is {ex.state} (admin {ex.admin_status or '?'}), not InProgress"
+            f"auto-export is {ex.state} (admin {ex.admin_status or '?'}), not {AUTOEXPORT_RUNNING}"
             f"{': ' + ex.status_message if ex.status_message else ''}; enable it and let it catch up, or use --manual-export",
-            expected="InProgress", found=ex.state))
+            expected=AUTOEXPORT_RUNNING, found=ex.state))
     if ex.total_files_failed or ex.current_iteration_files_failed:
         problems.append(Problem(
             "export-failed-files",

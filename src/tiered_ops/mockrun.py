@@ -31,7 +31,7 @@ WAIT_TYPE = "pulumi-python:dynamic/tiered:WaitForBlobJobs"
 PREVIEW_SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPreviewOnlyPlaceholderNotARealKeyxxxxxxxxxx preview-placeholder"
 
 
-class PlanError(Exception):
+class PreviewError(Exception):
     """The program refused the settings (the message is the program's own, e.g. a SettingsError)."""
 
 
@@ -51,7 +51,7 @@ class Res:
 
 
 @dataclass
-class PlanResult:
+class PreviewResult:
     stack: str
     config: dict[str, str]
     resources: list[Res]
@@ -106,7 +106,7 @@ def stack_config(stack: str, overrides: Mapping[str, str] | None = None, root: P
             cfg[full] = _scalar(spec["default"])
     stack_file = root / project.get("stackConfigDir", ".") / f"Pulumi.{stack}.yaml"
     if not stack_file.exists():
-        raise PlanError(f"stack {stack!r}: {stack_file} not found; use one of "
+        raise PreviewError(f"stack {stack!r}: {stack_file} not found; use one of "
                         f"{', '.join(sorted(p.stem.split('.', 1)[1] for p in stack_file.parent.glob('Pulumi.*.yaml')))}")
     for key, value in (yaml.safe_load(stack_file.read_text()) or {}).get("config", {}).items():
         cfg[key if ":" in key else f"{ns}:{key}"] = _scalar(value)
@@ -242,8 +242,8 @@ def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str],
 
 
 def run(stack: str, overrides: Mapping[str, str] | None = None, *, main: Path = ROOT / "__main__.py",
-        preview_placeholders: bool = True) -> PlanResult:
-    """Run the program for `stack` under mocks. Raises PlanError with the program's message on a refused config."""
+        preview_placeholders: bool = True) -> PreviewResult:
+    """Run the program for `stack` under mocks. Raises PreviewError with the program's message on a refused config."""
     import pulumi
 
     config = stack_config(stack, overrides, main.parent)
@@ -257,5 +257,5 @@ def run(stack: str, overrides: Mapping[str, str] | None = None, *, main: Path = 
     try:
         resources, outputs = contextvars.Context().run(_run_in_fresh_context, main, stack, config, invokes)
     except pulumi.RunError as err:
-        raise PlanError(str(err)) from None
-    return PlanResult(stack=stack, config=config, resources=resources, outputs=outputs, notes=notes, invokes=invokes)
+        raise PreviewError(str(err)) from None
+    return PreviewResult(stack=stack, config=config, resources=resources, outputs=outputs, notes=notes, invokes=invokes)

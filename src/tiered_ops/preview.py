@@ -4,7 +4,7 @@
 
 No Azure credentials, no Pulumi CLI: the program (__main__.py) runs exactly as `pulumi up` would run
 it, against mocks (tiered_ops/mockrun.py). Prints every resource (type, name, key properties) and
-the sizing report. A refused setting prints its one-line message and exits 2.
+the sizing report. A refused setting prints its one-line message and exits 2 (EXIT_USAGE).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from components import sizing
 from tiered_ckpt.cli.output import print_error, print_json
+from tiered_ckpt.errors import EXIT_OK, EXIT_USAGE
 from tiered_ops import mockrun
 from tiered_ops.mockrun import Res
 
@@ -110,7 +111,7 @@ def parse_sets(items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
         if "=" not in item:
-            raise mockrun.PlanError(f"--set {item!r}: expected key=value, e.g. --set nodeCount=4")
+            raise mockrun.PreviewError(f"--set {item!r}: expected key=value, e.g. --set nodeCount=4")
         k, v = item.split("=", 1)
         out[k.strip()] = v
     return out
@@ -124,16 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         result = mockrun.run(args.stack, parse_sets(args.set))
-    except mockrun.PlanError as err:
-        print_error(str(err), as_json=args.json, exit_code=2)
-        return 2
+    except mockrun.PreviewError as err:
+        print_error(str(err), as_json=args.json, exit_code=EXIT_USAGE)
+        return EXIT_USAGE
     z = result.outputs.get("sizing") or {}
     custom = [r for r in result.resources if r.custom]
     if args.json:
         print_json({"ok": True, "stack": result.stack, "notes": result.notes, "outputs": result.outputs,
                     "resources": [{"type": r.type, "name": r.name, "parent": r.parent.rsplit("::", 1)[-1],
                                    "properties": key_properties(r)} for r in custom]})
-        return 0
+        return EXIT_OK
     print(f"pulumi up --stack {result.stack} would create {len(custom)} resources "
           f"(compute side {'on' if result.outputs.get('computeEnabled') else 'OFF: archive only'}):")
     for comp in [r for r in result.resources if not r.custom]:
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {label:<28} {value}")
     for note in result.notes:
         print(f"\nnote: {note}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The Pulumi CLI as the operator would type it: every call is a real `pulumi ...` command line.
 
-The operator scripts drive the CLI (not the Automation API) so that what they print in a plan
-or --dry-run is exactly what an operator could paste, and so the stack's own backend, login
+The operator scripts drive the CLI (not the Automation API) so that the commands the teardown
+lists as its steps (--dry-run, --json) are exactly what an operator could paste, and so the stack's own backend, login
 and secrets provider apply unchanged.
 """
 from __future__ import annotations

@@ -21,9 +21,11 @@ from pathlib import Path
 from tiered_ckpt.cli.app import os_error_message
 from tiered_ckpt.cli.output import print_error, print_json, redact
 from tiered_ckpt.config import parse_duration
-from tiered_ckpt.errors import EXIT_INTERRUPTED, UserError
+from tiered_ckpt.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError
 from tiered_ops import PROJECT_ROOT as ROOT
-from tiered_ops.teardown import Options, Refused, Teardown, delete_archive
+from tiered_ops.delete_archive import delete_archive
+from tiered_ops.teardown import Refused, Teardown
+from tiered_ops.teardown_state import Options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", type=Path, default=ROOT / ".teardown", metavar="DIR",
                    help="where the teardown journal lives (default .teardown/ in the project)")
     p.add_argument("--project-dir", type=Path, default=ROOT, metavar="DIR", help="the Pulumi project (default: this repository)")
-    p.add_argument("--json", action="store_true", help="machine-readable plan/result on stdout; progress stays on stderr")
+    p.add_argument("--json", action="store_true", help="machine-readable steps (\"plan\") and result on stdout; progress stays on stderr")
     return p
 
 
@@ -101,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = Teardown(opts).run()
         if args.json:
             print_json(result)
-        return 0 if result.get("ok") else 1
+        return EXIT_OK if result.get("ok") else EXIT_FAILED
     except Refused as e:
         if args.json:
             print_json({**e.result, "ok": False, "error": str(e), "exit_code": e.exit_code})

@@ -121,3 +121,17 @@ def test_waits_for_a_running_manual_archive_through_the_real_client(arm_double) 
     assert P.busy(*probe())[0].startswith("archive ")
     P.wait_idle(probe, timeout_s=10, poll_s=0.01)
     assert not P.busy(*probe())
+
+
+def test_busy_states_are_the_node_toolkits_and_the_rest_specs() -> None:
+    # One definition (tiered_ckpt.tiers.arm_model), no spelling outside the spec's enums ("Canceling" is not one).
+    from azure.mgmt.storagecache.models import ArchiveStatusType, ImportStatusType
+
+    from tiered_ckpt.tiers import arm_model
+
+    assert P.BUSY_IMPORT == arm_model.IMPORT_BUSY and P.BUSY_ARCHIVE == arm_model.ARCHIVE_BUSY
+    for s in ImportStatusType:
+        assert bool(P.busy([s.value], [])) == (s.value not in arm_model.IMPORT_TERMINAL), s
+    for s in ArchiveStatusType:
+        assert bool(P.busy([], [s.value])) == (s.value not in arm_model.ARCHIVE_TERMINAL), s
+    assert P.busy(["Canceling"], ["Canceling"]) == []

@@ -29,7 +29,7 @@ SECRET_PATTERNS = [
 ]
 
 
-def custom_data(p: mockrun.PlanResult) -> bytes:
+def custom_data(p: mockrun.PreviewResult) -> bytes:
     vmss = p.one("azure-native:compute:VirtualMachineScaleSet")
     return base64.b64decode(vmss.inputs["virtualMachineProfile"]["osProfile"]["customData"])
 

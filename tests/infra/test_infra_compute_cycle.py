@@ -22,7 +22,7 @@ ARCHIVE = {
 }
 
 
-def custom(p: mockrun.PlanResult) -> set[tuple[str, str]]:
+def custom(p: mockrun.PreviewResult) -> set[tuple[str, str]]:
     return {(r.type, r.name) for r in p.resources if r.custom}
 
 

@@ -22,7 +22,7 @@ def role_id(guid: str) -> str:
     return f"/subscriptions/{SUB}/providers/Microsoft.Authorization/roleDefinitions/{guid}"
 
 
-def component_of(p: mockrun.PlanResult, r: mockrun.Res) -> str:
+def component_of(p: mockrun.PreviewResult, r: mockrun.Res) -> str:
     return p.by_urn(r.parent).type if r.parent else ""
 
 

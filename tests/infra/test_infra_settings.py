@@ -120,7 +120,7 @@ def test_stack_files_use_only_declared_keys(stack: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_program_refuses_bad_config_before_registering_anything(plan: Plan) -> None:
-    with pytest.raises(mockrun.PlanError, match=r"^tiered:capacityTiB: 130 .*128 or 132$"):
+    with pytest.raises(mockrun.PreviewError, match=r"^tiered:capacityTiB: 130 .*128 or 132$"):
         plan("prod", capacityTiB=130)
 
 

@@ -465,7 +465,7 @@ def test_gate_says_which_content_proof_it_used_per_checkpoint(env: Env) -> None:
 
 
 def test_verify_content_hashes_each_blob_once_across_polls(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiered_ops.teardown as td
+    import tiered_ops.evidence as td
 
     archived_ckpts(env, 2)
     calls: list[str] = []

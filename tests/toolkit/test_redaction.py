@@ -118,10 +118,11 @@ def test_json_and_error_output_are_redacted_in_process(capsys: pytest.CaptureFix
 def test_arm_errors_are_redacted() -> None:
     from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError
 
-    from tiered_ckpt.tiers.arm import AmlfsTarget, _translate
+    from tiered_ckpt.tiers.arm import AmlfsTarget
+    from tiered_ckpt.tiers.arm_errors import translate
 
     t = AmlfsTarget("sub", "rg", "fs", "job")
     for err in (ClientAuthenticationError(f'token request failed: {{"access_token": "{SECRET}"}}'),
                 ServiceRequestError(f"GET https://management.azure.com/x?sig={SECRET} Authorization: Bearer {SECRET}")):
-        e = _translate(err, t, "read the job", "/subscriptions/sub/x")
+        e = translate(err, t, "read the job", "/subscriptions/sub/x")
         assert not _leaks(str(e)) and "REDACTED" in str(e), str(e)

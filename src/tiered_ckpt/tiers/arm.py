@@ -3,11 +3,14 @@
 Built only on azure-mgmt-storagecache (its pipeline does retries with backoff, LRO polling and
 ARM error parsing) and azure-identity (the node's managed identity, or whatever
 DefaultAzureCredential finds on a workstation). Every Azure failure leaves this module as a
-UserError subclass with one message that names the resource and the fix.
+UserError subclass with one message that names the resource and the fix (tiers/arm_errors.py);
+the state names and the plain records it returns are in tiers/arm_model.py.
 
 AMLFS runs only one blob-integration job (import, manual archive, auto-export) at a time, so an
 import first disables auto-export, waits until the service reports Disabled, imports, and
-re-enables auto-export in a `finally` (also on Ctrl-C): `AmlfsJobs.import_prefixes`.
+re-enables auto-export in a `finally` (also on Ctrl-C): `AmlfsJobs.import_prefixes`. The three
+kinds of job share that one slot, which is why they are one class here: the client and its
+credentials, auto-export, import jobs and the manual archive, in that order, in marked sections.
 """
 from __future__ import annotations
 
@@ -17,27 +20,52 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from enum import Enum
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from azure.core.exceptions import (
-    ClientAuthenticationError,
-    HttpResponseError,
-    ResourceNotFoundError,
-    ServiceRequestError,
-    ServiceResponseError,
+from tiered_ckpt.errors import ConfigError, UnavailableError, UserError
+from tiered_ckpt.redact import redact
+from tiered_ckpt.tiers.arm_errors import (
+    AZURE_ERRORS,
+    ArmNotFoundError,
+    ArmPermissionError,
+    AutoExportReenableError,
+    ImportJobError,
+    translate,
+)
+from tiered_ckpt.tiers.arm_model import (
+    ADMIN_DISABLE,
+    ADMIN_ENABLE,
+    API_VERSION,
+    ARCHIVE_BUSY,
+    ARCHIVE_COMPLETED,
+    ARCHIVE_ENDED_BADLY,
+    ARCHIVE_IDLE,
+    AUTOEXPORT_DISABLED,
+    AUTOEXPORT_STOP_FAILED,
+    IMPORT_BUSY,
+    IMPORT_COMPLETED,
+    IMPORT_TERMINAL,
+    AmlfsTarget,
+    ArchiveProgress,
+    AutoExportStatus,
+    ImportResult,
+    archive_entries_of,
+    autoexport_status_of,
+    import_result_of,
+    wire,
 )
 
-from tiered_ckpt.config import NodeConfig
-from tiered_ckpt.errors import ConfigError, ConflictError, IntegrityError, UnavailableError, UserError
-from tiered_ckpt.redact import redact
+if TYPE_CHECKING:
+    from tiered_ckpt.config import NodeConfig
+
+# The public names of the AMLFS tier: importers use tiered_ckpt.tiers.arm only.
+__all__ = [
+    "API_VERSION", "AmlfsJobs", "AmlfsTarget", "ArchiveProgress", "ArmNotFoundError", "ArmPermissionError",
+    "AutoExportReenableError", "AutoExportStatus", "ImportJobError", "ImportResult", "default_credential", "make_client",
+]
 
 T = TypeVar("T")
-
-ARM_DEFAULT = "https://management.azure.com"
-API_VERSION = "2026-08-01"   # azure-mgmt-storagecache 4.1.0's default; named in operator commands
 
 # Defaults a test (or a future setting) may change for every AmlfsJobs built without explicit values:
 # how often to poll job state, how long to wait, and azure-core client options (retry policy).
@@ -45,233 +73,8 @@ DEFAULT_POLL_INTERVAL = 10.0
 DEFAULT_TIMEOUT = 3600.0
 CLIENT_DEFAULTS: dict[str, Any] = {"retry_total": 5, "retry_backoff_factor": 0.8, "retry_backoff_max": 60}
 
-# Import job states (ImportStatusType). Terminal ones end the wait.
-IMPORT_RUNNING = ("InProgress", "Cancelling")
-IMPORT_OK = "Completed"
-IMPORT_TERMINAL = ("Completed", "CompletedPartial", "Failed", "Canceled")
-# Manual archive states (ArchiveStatusType) that mean a blob job is still running.
-ARCHIVE_RUNNING = ("InProgress", "Cancelling", "FSScanInProgress")
-
-
-class ArmPermissionError(ConfigError):
-    """The identity cannot get a token, or ARM refused the call (401/403)."""
-
-
-class ArmNotFoundError(ConfigError):
-    """The file system or job named in the config does not exist (404)."""
-
-
-class ImportJobError(IntegrityError):
-    """An import job ended CompletedPartial, Failed or Canceled; `.result` has the counts."""
-
-    def __init__(self, message: str, result: ImportResult) -> None:
-        super().__init__(message)
-        self.result = result
-
-
-class AutoExportReenableError(UnavailableError):
-    """Auto-export could not be re-enabled after an import: the operator must do it by hand."""
-
-
 # ---------------------------------------------------------------------------------------------
-# Plain data
-
-
-@dataclass(frozen=True)
-class AmlfsTarget:
-    subscription_id: str
-    resource_group: str
-    filesystem: str
-    autoexport_job: str
-    endpoint: str | None = None                    # ARM base URL override (the local double)
-    managed_identity_client_id: str | None = None  # user-assigned identity of the node
-
-    @classmethod
-    def from_config(cls, cfg: NodeConfig) -> AmlfsTarget:
-        a = cfg.amlfs
-        values = {
-            "subscription_id": a.subscription_id,
-            "resource_group": a.resource_group,
-            "filesystem": a.filesystem,
-            "autoexport_job": a.autoexport_job,
-        }
-        missing = [f"amlfs.{k}" for k, v in values.items() if not v]
-        if missing:
-            where = f" in {cfg.source}" if cfg.source else ""
-            raise ConfigError(
-                f"{', '.join(missing)} not set{where}; the AMLFS back-end needs them to call Azure Resource Manager "
-                "(cloud-init writes them from the stack outputs; locally, set them or use --backend local)"
-            )
-        return cls(
-            subscription_id=str(a.subscription_id),
-            resource_group=str(a.resource_group),
-            filesystem=str(a.filesystem),
-            autoexport_job=str(a.autoexport_job),
-            endpoint=a.arm_endpoint or None,
-            managed_identity_client_id=cfg.archive.managed_identity_client_id or None,
-        )
-
-    @property
-    def base_url(self) -> str:
-        return (self.endpoint or ARM_DEFAULT).rstrip("/")
-
-    @property
-    def filesystem_id(self) -> str:
-        return (
-            f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}"
-            f"/providers/Microsoft.StorageCache/amlFilesystems/{self.filesystem}"
-        )
-
-    @property
-    def autoexport_id(self) -> str:
-        return f"{self.filesystem_id}/autoExportJobs/{self.autoexport_job}"
-
-    def enable_command(self) -> str:
-        """The exact command an operator runs to re-enable auto-export by hand."""
-        return (
-            f"az rest --method patch --url '{self.base_url}{self.autoexport_id}?api-version={API_VERSION}' "
-            "--body '{\"properties\": {\"adminStatus\": \"Enable\"}}'"
-        )
-
-
-@dataclass(frozen=True)
-class AutoExportStatus:
-    admin_status: str                 # Enable | Disable (what was asked)
-    state: str                        # InProgress | Disabling | Disabled | DisableFailed | Failed
-    status_message: str
-    last_success_utc: datetime | None  # lastSuccessfulIterationCompletionTimeUTC
-    total_files_failed: int
-    current_iteration_files_discovered: int
-    current_iteration_files_exported: int
-    current_iteration_files_failed: int
-    current_iteration_mib_discovered: int = 0
-    current_iteration_mib_exported: int = 0
-    total_files_exported: int = 0
-    total_mib_exported: int = 0
-    export_iteration_count: int = 0
-    provisioning_state: str = ""
-    prefixes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ImportResult:
-    name: str
-    state: str
-    blobs_walked: int
-    blobs_imported: int
-    errors: int
-    message: str
-    conflicts: int = 0
-    prefixes: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.state == IMPORT_OK
-
-
-class ArchiveProgress(NamedTuple):
-    """A manual archive (export) of one file system path: hsm.archiveStatus[]."""
-
-    state: str            # NotConfigured | Idle | InProgress | FSScanInProgress | Cancelling | Canceled | Completed | Failed
-    percent: int | None
-    errors: str | None    # "errorCode: errorMessage" when the service reports one
-
-
-# ---------------------------------------------------------------------------------------------
-# Azure errors -> user errors
-
-
-def _arm_message(err: HttpResponseError) -> str:
-    code = getattr(getattr(err, "error", None), "code", None)
-    msg = getattr(getattr(err, "error", None), "message", None)
-    if code or msg:
-        return f"{code or 'error'}: {msg or ''}".strip()
-    return str(err.message or err).splitlines()[0]
-
-
-def _translate(err: Exception, target: AmlfsTarget, what: str, resource: str) -> UserError:
-    """One clear message per Azure failure; `what` is the action, `resource` the ARM id.
-
-    Credentials are removed: an identity or SDK error can quote a token or a signed URL.
-    """
-    e = _translate_raw(err, target, what, resource)
-    clean = redact(str(e))
-    return e if clean == str(e) else type(e)(clean, exit_code=e.exit_code)
-
-
-def _translate_raw(err: Exception, target: AmlfsTarget, what: str, resource: str) -> UserError:
-    ep = target.base_url
-    if isinstance(err, ClientAuthenticationError) and err.response is None:
-        ident = (
-            f"the managed identity with client id {target.managed_identity_client_id}"
-            if target.managed_identity_client_id
-            else "DefaultAzureCredential (managed identity on a node, `az login` on a workstation)"
-        )
-        return ArmPermissionError(
-            f"cannot {what}: no Azure token from {ident}: {str(err).splitlines()[0]}; "
-            "check the node's identity (archive.managed_identity_client_id) or log in with `az login`"
-        )
-    if isinstance(err, (ServiceRequestError, ServiceResponseError)):
-        return UnavailableError(
-            f"cannot {what}: Azure Resource Manager at {ep} is unreachable after retries "
-            f"({str(err).splitlines()[0]}); check the node's network/DNS and outbound HTTPS to {ep}, then re-run"
-        )
-    if isinstance(err, HttpResponseError):
-        status = err.status_code
-        detail = _arm_message(err)
-        if status in (401, 403):
-            return ArmPermissionError(
-                f"cannot {what}: Azure Resource Manager refused it ({status} {detail}) for {resource}; "
-                "the node identity needs the tiered-ckpt node role on the file system "
-                "(Microsoft.StorageCache/amlFilesystems/read, .../importJobs/read, /write and /delete, "
-                ".../autoExportJobs/read and /write; an operator's manual export also needs .../archive/action); "
-                "see docs/arm.md"
-            )
-        if status == 404 or isinstance(err, ResourceNotFoundError):
-            return ArmNotFoundError(
-                f"cannot {what}: {resource} does not exist ({detail}); check amlfs.subscription_id, "
-                "amlfs.resource_group, amlfs.filesystem and amlfs.autoexport_job in the node config against the stack outputs"
-            )
-        if status == 409:
-            return ConflictError(
-                f"cannot {what}: the service refused it because of a conflict ({detail}); AMLFS runs one blob job "
-                "(import, archive, auto-export) at a time: wait for the running one (tiered-ckpt status) and re-run"
-            )
-        if status is not None and status >= 500:
-            return UnavailableError(
-                f"cannot {what}: Azure Resource Manager kept failing after retries ({status} {detail}) for {resource}; "
-                "re-run later; check Azure status for Microsoft.StorageCache in the region"
-            )
-        if status is None:
-            # An LRO that ended Failed/Canceled: azure-core raises HttpResponseError without a status.
-            return UnavailableError(f"cannot {what}: the operation on {resource} failed in the service: {detail}")
-        return UserError(f"cannot {what}: Azure Resource Manager rejected the request ({status} {detail}) for {resource}")
-    return UserError(f"cannot {what}: {type(err).__name__}: {err}")
-
-
-_AZURE_ERRORS = (ClientAuthenticationError, HttpResponseError, ServiceRequestError, ServiceResponseError)
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def _int(v: Any) -> int:
-    return int(v) if v is not None else 0
-
-
-def _str(v: Any) -> str:
-    # The SDK returns str-based enums; str() of those is "Type.MEMBER", the wire value is .value.
-    if isinstance(v, Enum):
-        return str(v.value)
-    return str(v) if v is not None else ""
-
-
-def _as_utc(v: Any) -> datetime | None:
-    if v is None:
-        return None
-    if isinstance(v, datetime):
-        return v.astimezone(timezone.utc) if v.tzinfo else v.replace(tzinfo=timezone.utc)
-    return datetime.fromisoformat(str(v).replace("Z", "+00:00"))
+# The client and its credentials
 
 
 def default_credential(target: AmlfsTarget) -> Any:
@@ -293,6 +96,10 @@ def make_client(target: AmlfsTarget, credential: Any = None, **client_options: A
     kwargs: dict[str, Any] = dict(CLIENT_DEFAULTS)
     kwargs.update(client_options)
     return StorageCacheManagementClient(credential, target.subscription_id, base_url=target.base_url, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The jobs (one blob-integration job at a time on a file system)
 
 
 class AmlfsJobs:
@@ -324,8 +131,8 @@ class AmlfsJobs:
     def _call(self, what: str, resource: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except _AZURE_ERRORS as e:
-            raise _translate(e, self.target, what, resource) from None
+        except AZURE_ERRORS as e:
+            raise translate(e, self.target, what, resource) from None
 
     def _import_id(self, name: str) -> str:
         return f"{self.target.filesystem_id}/importJobs/{name}"
@@ -339,14 +146,14 @@ class AmlfsJobs:
             t.autoexport_id,
             lambda: self.client.auto_export_jobs.get(t.resource_group, t.filesystem, t.autoexport_job),
         )
-        return _autoexport_status(job)
+        return autoexport_status_of(job)
 
     def _set_admin_status(self, value: str) -> None:
         from azure.mgmt.storagecache.models import AutoExportJobUpdate, AutoExportJobUpdateProperties
 
         t = self.target
         body = AutoExportJobUpdate(properties=AutoExportJobUpdateProperties(admin_status=value))
-        verb = "disable" if value == "Disable" else "enable"
+        verb = "disable" if value == ADMIN_DISABLE else "enable"
 
         def patch() -> None:
             poller = self.client.auto_export_jobs.begin_update(
@@ -361,12 +168,12 @@ class AmlfsJobs:
         t = self.target
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        self._set_admin_status("Disable")
+        self._set_admin_status(ADMIN_DISABLE)
         while True:
             st = self.autoexport_status()
-            if st.state == "Disabled":
+            if st.state == AUTOEXPORT_DISABLED:
                 return st
-            if st.state in ("DisableFailed", "Failed"):
+            if st.state in AUTOEXPORT_STOP_FAILED:
                 raise UnavailableError(
                     f"auto-export job {t.autoexport_job} on {t.filesystem} did not stop: state {st.state}"
                     f"{': ' + st.status_message if st.status_message else ''}; nothing was imported. "
@@ -381,7 +188,7 @@ class AmlfsJobs:
 
     def enable_autoexport(self) -> AutoExportStatus:
         """PATCH adminStatus Enable (the service resumes exporting on its own schedule)."""
-        self._set_admin_status("Enable")
+        self._set_admin_status(ADMIN_ENABLE)
         return self.autoexport_status()
 
     @contextmanager
@@ -412,7 +219,7 @@ class AmlfsJobs:
 
     def _needs_reenable(self) -> bool:
         try:
-            return self.autoexport_status().admin_status != "Enable"
+            return self.autoexport_status().admin_status != ADMIN_ENABLE
         except UserError:
             return True
 
@@ -424,7 +231,7 @@ class AmlfsJobs:
         if in_main:
             old = signal.signal(signal.SIGINT, lambda signum, frame: deferred.append(signum))
         try:
-            self._set_admin_status("Enable")
+            self._set_admin_status(ADMIN_ENABLE)
         except BaseException as e:
             why = redact(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
             before = ""
@@ -454,11 +261,11 @@ class AmlfsJobs:
         out: list[str] = []
         for j in jobs:
             st = getattr(getattr(j, "properties", None), "status", None)
-            state = _str(getattr(st, "state", None))
-            if state in IMPORT_RUNNING:
+            state = wire(getattr(st, "state", None))
+            if state in IMPORT_BUSY:
                 out.append(f"importJobs/{j.name} ({state})")
         for path, prog in self._archive_entries():
-            if prog.state in ARCHIVE_RUNNING:
+            if prog.state in ARCHIVE_BUSY:
                 pct = f", {prog.percent}%" if prog.percent is not None else ""
                 out.append(f"archive {path} ({prog.state}{pct})")
         return out
@@ -513,7 +320,7 @@ class AmlfsJobs:
             return poller.result(timeout=self.timeout)
 
         created = self._call(f"create import job {name}", rid, create)
-        result = _import_result(created, name)
+        result = import_result_of(created, name)
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         try:
@@ -531,13 +338,13 @@ class AmlfsJobs:
                     rid,
                     lambda: self.client.import_jobs.get(t.resource_group, t.filesystem, name),
                 )
-                result = _import_result(got, name)
+                result = import_result_of(got, name)
         except BaseException:
             self._cancel_import(name)
             raise
         if on_progress:
             on_progress(result)
-        if result.state != IMPORT_OK:
+        if result.state != IMPORT_COMPLETED:
             raise ImportJobError(
                 f"import job {name} on {t.filesystem} ended {result.state}: {result.blobs_imported} of "
                 f"{result.blobs_walked} blobs imported, {result.errors} errors, {result.conflicts} conflicts"
@@ -564,7 +371,7 @@ class AmlfsJobs:
             deadline = time.monotonic() + min(wait, self.timeout)
             while time.monotonic() < deadline:
                 got = self.client.import_jobs.get(t.resource_group, t.filesystem, name)
-                if _import_result(got, name).state not in IMPORT_RUNNING:
+                if import_result_of(got, name).state not in IMPORT_BUSY:
                     return
                 self._sleep(self.poll_interval)
         except Exception:
@@ -613,20 +420,7 @@ class AmlfsJobs:
             t.filesystem_id,
             lambda: self.client.aml_filesystems.get(t.resource_group, t.filesystem),
         )
-        hsm = getattr(getattr(fs, "properties", None), "hsm", None)
-        out = []
-        for entry in getattr(hsm, "archive_status", None) or []:
-            st = entry.status
-            err = None
-            if st is not None and (st.error_code or st.error_message):
-                err = f"{st.error_code or 'error'}: {st.error_message or ''}".strip()
-            out.append(
-                (
-                    _str(entry.filesystem_path),
-                    ArchiveProgress(_str(st.state if st else None) or "Idle", st.percent_complete if st else None, err),
-                )
-            )
-        return out
+        return archive_entries_of(fs)
 
     def archive_status(self, filesystem_path: str | None = None) -> ArchiveProgress:
         """The manual archive's state; for `filesystem_path` if given, else the latest entry.
@@ -635,7 +429,7 @@ class AmlfsJobs:
         if filesystem_path is not None:
             entries = [e for e in entries if e[0] == filesystem_path]
         if not entries:
-            return ArchiveProgress("Idle", None, None)
+            return ArchiveProgress(ARCHIVE_IDLE, None, None)
         return entries[-1][1]
 
     def wait_archive(
@@ -652,9 +446,9 @@ class AmlfsJobs:
             prog = self.archive_status(filesystem_path)
             if on_progress:
                 on_progress(prog)
-            if prog.state == "Completed":
+            if prog.state == ARCHIVE_COMPLETED:
                 return prog
-            if prog.state in ("Failed", "Canceled"):
+            if prog.state in ARCHIVE_ENDED_BADLY:
                 raise UnavailableError(
                     f"archive of {filesystem_path} on {t.filesystem} ended {prog.state}"
                     f"{': ' + prog.errors if prog.errors else ''}; files not exported stay only on Lustre. "
@@ -665,43 +459,3 @@ class AmlfsJobs:
                     f"archive of {filesystem_path} on {t.filesystem} still {prog.state} "
                     f"({prog.percent if prog.percent is not None else '?'}%) after {limit:.0f} s; re-run to keep waiting"
                 )
-            self._sleep(self.poll_interval)
-
-
-def _autoexport_status(job: Any) -> AutoExportStatus:
-    p = getattr(job, "properties", None)
-    s = getattr(p, "status", None)
-    g = (lambda name: getattr(s, name, None)) if s is not None else (lambda name: None)
-    return AutoExportStatus(
-        admin_status=_str(getattr(p, "admin_status", None)),
-        state=_str(g("state")),
-        status_message=_str(g("status_message")),
-        last_success_utc=_as_utc(g("last_successful_iteration_completion_time_utc")),
-        total_files_failed=_int(g("total_files_failed")),
-        current_iteration_files_discovered=_int(g("current_iteration_files_discovered")),
-        current_iteration_files_exported=_int(g("current_iteration_files_exported")),
-        current_iteration_files_failed=_int(g("current_iteration_files_failed")),
-        current_iteration_mib_discovered=_int(g("current_iteration_mi_b_discovered")),
-        current_iteration_mib_exported=_int(g("current_iteration_mi_b_exported")),
-        total_files_exported=_int(g("total_files_exported")),
-        total_mib_exported=_int(g("total_mi_b_exported")),
-        export_iteration_count=_int(g("export_iteration_count")),
-        provisioning_state=_str(getattr(p, "provisioning_state", None)),
-        prefixes=tuple(getattr(p, "auto_export_prefixes", None) or ()),
-    )
-
-
-def _import_result(job: Any, name: str) -> ImportResult:
-    p = getattr(job, "properties", None)
-    s = getattr(p, "status", None)
-    g = (lambda attr: getattr(s, attr, None)) if s is not None else (lambda attr: None)
-    return ImportResult(
-        name=_str(getattr(job, "name", None)) or name,
-        state=_str(g("state")) or "InProgress",
-        blobs_walked=_int(g("total_blobs_walked")),
-        blobs_imported=_int(g("total_blobs_imported")),
-        errors=_int(g("total_errors")),
-        message=_str(g("status_message")),
-        conflicts=_int(g("total_conflicts")),
-        prefixes=tuple(getattr(p, "import_prefixes", None) or ()),
-    )

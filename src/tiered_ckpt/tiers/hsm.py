@@ -9,7 +9,7 @@ rendering of it. On a file it cannot stat, `lfs hsm_state` prints to stderr and 
 the rest of that batch is asked again in a new process.
 
 Every call takes many files: one process per file would make proving 100,000 files take
-minutes (aws-parallelcluster #2393 is the same lesson for lazy reads).
+minutes (github.com/aws/aws-parallelcluster/issues/2393 is the same lesson for lazy reads).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tiered_ckpt.errors import UnavailableError, UserError
+from tiered_ckpt.errors import EXIT_FAILED, UnavailableError, UserError
 
 EXISTS = 0x1
 DIRTY = 0x2
@@ -202,7 +202,7 @@ class Lfs:
                 raise UserError(
                     f"`lfs {action}` failed for a batch of {len(batch)} files starting with {batch[0]}: "
                     f"{r.stderr.strip() or 'exit ' + str(r.returncode)}",
-                    exit_code=1,
+                    exit_code=EXIT_FAILED,
                 )
 
     def release(self, paths: Sequence[str]) -> None:
@@ -223,7 +223,7 @@ class Lfs:
             states, errors = self.states(pending)
             if errors:
                 p, e = next(iter(errors.items()))
-                raise UserError(f"cannot read the HSM state of {p}: {e}", exit_code=1)
+                raise UserError(f"cannot read the HSM state of {p}: {e}", exit_code=EXIT_FAILED)
             done = [p for p in pending if not states[p].released]
             if done and on_resident is not None:
                 on_resident(done)

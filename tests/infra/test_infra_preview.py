@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(90)
-def test_plan_json_shows_nsg_ports_both_ways_and_the_scale_set_fabric_settings() -> None:
+def test_preview_json_shows_nsg_ports_both_ways_and_the_scale_set_fabric_settings() -> None:
     r = subprocess.run([sys.executable, "-m", "tiered_ops.preview", "--stack", "prod", "--json"],
                        capture_output=True, text=True, cwd=ROOT, timeout=80)
     assert r.returncode == 0, r.stderr
