@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from tiered_ckpt.errors import ConfigError, ConflictError, IntegrityError, UnavailableError, UserError
+from tiered_ckpt.errors import EXIT_UNAVAILABLE, ConfigError, ConflictError, IntegrityError, UnavailableError, UserError
 
 T = TypeVar("T")
 
@@ -113,7 +113,7 @@ class Comm:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             why = re.sub(r"^\[[^\]]*\]\s*", "", why)[:300]     # gloo prefixes its source location
             lost = UserError(f"rank {self.rank}: not every rank took part in {stage} {about}{waited} (a rank died, "
-                             f"hung or failed outside the save): {why}; nothing was committed", exit_code=3)
+                             f"hung or failed outside the save): {why}; nothing was committed", exit_code=EXIT_UNAVAILABLE)
             cleanup(lost)
             raise lost from None
         if exc is not None:

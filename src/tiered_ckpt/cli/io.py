@@ -207,7 +207,7 @@ def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
         if r["problem"]:
             stdout.print(f"{r['name']}: {r['problem']}", highlight=False, markup=False)
     if any(not r["committed"] and not r["problem"] for r in rows):
-        stdout.print("committed NO: a save in progress or one that never finished (no COMMITTED.json)", highlight=False)
+        stdout.print(f"committed NO: a save in progress or one that never finished (no {mf.MARKER})", highlight=False)
     return EXIT_OK
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tiered_ckpt.errors import ConflictError, UserError
+from tiered_ckpt.errors import EXIT_CONFLICT, EXIT_UNAVAILABLE, EXIT_USAGE, ConflictError, UserError
 from tiered_ckpt.io import fsafe
 
 LOCK_NAME = ".retention.lock"
@@ -59,10 +59,10 @@ def _open_lock(p: Path, anchor: Path | None) -> int:
         os.fchmod(fd, fsafe.LOCK_MODE)   # ours: every actor opens it read-write (fsafe.LOCK_MODE)
         return fd
     except fsafe.UnsafePath as e:
-        raise UserError(f"lock file {p}: {e.strerror}; remove it (someone planted it there) and re-run", exit_code=4) from None
+        raise UserError(f"lock file {p}: {e.strerror}; remove it (someone planted it there) and re-run", exit_code=EXIT_CONFLICT) from None
     except OSError as e:
         raise UserError(f"cannot create or open the lock file {p}: {e.strerror}; check the permissions of {p.parent} "
-                        "(the training users and the retention service share its group)", exit_code=2) from None
+                        "(the training users and the retention service share its group)", exit_code=EXIT_USAGE) from None
 
 
 def _flock(fd: int, p: Path, wait: float | None) -> bool:
@@ -79,7 +79,7 @@ def _flock(fd: int, p: Path, wait: float | None) -> bool:
             raise UserError(
                 f"cannot lock {p}: {e.strerror}; on Lustre mount with `-o flock` (the cluster's fstab does) "
                 "so that one node at a time changes these checkpoints",
-                exit_code=3,
+                exit_code=EXIT_UNAVAILABLE,
             ) from None
         if deadline is not None and time.monotonic() >= deadline:
             return False

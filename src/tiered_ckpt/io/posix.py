@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tiered_ckpt.errors import UserError
+from tiered_ckpt.errors import EXIT_CONFLICT, UserError
 from tiered_ckpt.io import fsafe
 
 _SMALL_LIMIT = 256 << 20       # part manifests and notes: far larger than any real one
@@ -59,10 +59,10 @@ def os_error(e: OSError, path: str | os.PathLike[str]) -> UserError:
     p = Path(path)
     if isinstance(e, fsafe.UnsafePath):
         return UserError(f"{e.filename or p}: {e.strerror}; remove it (it is not the toolkit's) or choose another "
-                         "--root; the checkpoint was not committed", exit_code=4)
+                         "--root; the checkpoint was not committed", exit_code=EXIT_CONFLICT)
     if e.errno == errno.EEXIST:
         return UserError(f"{p} already exists: something else created a file under a name that is unique to this save; "
-                         "remove it and save again; the checkpoint was not committed", exit_code=4)
+                         "remove it and save again; the checkpoint was not committed", exit_code=EXIT_CONFLICT)
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return UserError(f"no space left writing {p} ({e.strerror}); free space on that file system "
                          "(tiered-ckpt retention) or choose another --root; the checkpoint was not committed")
@@ -76,7 +76,7 @@ def os_error(e: OSError, path: str | os.PathLike[str]) -> UserError:
         return UserError(f"{p.parent} disappeared while writing ({e.strerror}); check the mount; the checkpoint was not committed")
     if e.errno == errno.ELOOP:
         return UserError(f"{p} is a symbolic link; refused (never followed); remove it; the checkpoint was not committed",
-                         exit_code=4)
+                         exit_code=EXIT_CONFLICT)
     return UserError(f"writing {p} failed: {e.strerror or e} (errno {e.errno}); the checkpoint was not committed")
 
 
@@ -149,7 +149,7 @@ def open_subdir(parent_fd: int, name: str, path: Path, create: bool) -> tuple[in
                 what = "not a directory"
             raise UserError(f"{path} is {what}, not a directory; refused (a save never writes through a symlink "
                             "nor deletes anything it points at): remove it, or choose another --root/model",
-                            exit_code=4) from None
+                            exit_code=EXIT_CONFLICT) from None
         raise
     if created:
         try:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiered_ckpt.distributed import Comm
-from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
+from tiered_ckpt.errors import EXIT_CONFLICT, ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe, lock, save_commit
 from tiered_ckpt.io.layout import FilePlan, file_owner, new_save_id, plan, require_save_id
@@ -194,7 +194,7 @@ class Save:
                     raise UserError(
                         f"cannot write {self.dir}: it holds a directory {e.name!r} that no save creates; it is never "
                         "removed automatically (it may not be ours) — remove it or save under another epoch/step; "
-                        "the checkpoint was not committed", exit_code=4)
+                        "the checkpoint was not committed", exit_code=EXIT_CONFLICT)
                 stale.append(e.name)
         if stale and not self.overwrite_incomplete:
             raise ConflictError(

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_ckpt.config import NodeConfig
-from tiered_ckpt.errors import EXIT_CONFLICT, ConflictError, IntegrityError, UnavailableError, UserError
+from tiered_ckpt.errors import EXIT_CONFLICT, EXIT_FAILED, ConflictError, IntegrityError, UnavailableError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.io.lock import checkpoint_lock
@@ -238,13 +238,13 @@ def choose(cfg: NodeConfig, backend: TierBackend, name: str | None, warnings: li
             raise UserError(
                 f"checkpoint {name} of model {cfg.model!r} is not committed on the accelerator layer ({cfg.root}) "
                 f"nor in the archive; `tiered-ckpt status` lists what exists",
-                exit_code=1,
+                exit_code=EXIT_FAILED,
             )
         return found[name]
     if not found:
         raise UserError(
             f"no committed checkpoint of model {cfg.model!r} under {cfg.root} or in the archive; nothing to restore",
-            exit_code=1,
+            exit_code=EXIT_FAILED,
         )
     return found[max(found, key=lambda n: found[n].manifest.id)]
 
@@ -321,7 +321,7 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
                 raise UserError(
                     f"checkpoint {cname} of model {cfg.model!r} is no longer committed on the accelerator layer nor in "
                     "the archive (deleted while this restore waited for it); `tiered-ckpt status` lists what exists",
-                    exit_code=1,
+                    exit_code=EXIT_FAILED,
                 )
             if found.where == "accelerator":
                 res = _in_place(cfg, backend, found, ckpt_dir, verify, progress, warnings)

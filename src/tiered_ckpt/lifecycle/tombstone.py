@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from tiered_ckpt.errors import UserError
+from tiered_ckpt.errors import EXIT_CONFLICT, UserError
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.io.commit import Manifest
 from tiered_ckpt.io.hashing import new_hasher
@@ -46,7 +46,7 @@ def _dir_fd(root: str | os.PathLike[str], model: str, create: bool) -> int | Non
         if not create:
             return None
     except fsafe.UnsafePath as e:
-        raise UserError(f"{d}: {e.strerror}; remove it (someone planted it there) and re-run", exit_code=4) from None
+        raise UserError(f"{d}: {e.strerror}; remove it (someone planted it there) and re-run", exit_code=EXIT_CONFLICT) from None
     mfd = fsafe.open_dir(d.parent, anchor=root)
     try:
         try:

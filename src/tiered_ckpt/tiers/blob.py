@@ -23,7 +23,7 @@ from azure.core.exceptions import (
 from azure.storage.blob import BlobServiceClient, ContainerClient
 
 from tiered_ckpt.config import ArchiveConfig
-from tiered_ckpt.errors import ConfigError, UnavailableError, UserError
+from tiered_ckpt.errors import EXIT_FAILED, EXIT_UNAVAILABLE, ConfigError, UnavailableError, UserError
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.io.commit import MARKER, Manifest
 from tiered_ckpt.io.hashing import new_hasher
@@ -162,20 +162,20 @@ class BlobStore:
                 if "ContainerNotFound" in str(getattr(e, "error_code", "") or e):
                     raise UserError(
                         f"the archive {self.where} does not exist (archive.container); create it or fix the setting",
-                        exit_code=1,
+                        exit_code=EXIT_FAILED,
                     ) from None
                 raise
             except ClientAuthenticationError as e:
                 raise UserError(
                     f"access to the archive {self.where} was denied: {redact(str(e.message if hasattr(e, 'message') else e))}; "
                     "grant the node's identity Storage Blob Data Contributor or fix archive.connection_string",
-                    exit_code=3,
+                    exit_code=EXIT_UNAVAILABLE,
                 ) from None
             except HttpResponseError as e:
                 status = getattr(e, "status_code", None) or 0
                 if status and status < 500 and status not in (408, 429):
                     msg = redact(str(getattr(e, "message", "") or e)).splitlines()[0][:300]
-                    raise UserError(f"the archive {self.where} refused {what}: {msg} (HTTP {status})", exit_code=1) from None
+                    raise UserError(f"the archive {self.where} refused {what}: {msg} (HTTP {status})", exit_code=EXIT_FAILED) from None
                 last = e
             except (AzureError, ConnectionError, TimeoutError) as e:
                 # Local file errors (FileNotFoundError, ...) are not the archive's: they propagate.
