@@ -97,19 +97,6 @@ def _open_ckpt_dir(ckpt_dir: Path, anchor: str | os.PathLike[str] | None) -> int
     return os.open(ckpt_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _read_limited(fd: int, limit: int, what: str) -> bytes:
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        b = os.read(fd, 1 << 20)
-        if not b:
-            return b"".join(chunks)
-        total += len(b)
-        if total > limit:
-            raise InvalidMarker(f"{what} is larger than {limit} bytes")
-        chunks.append(b)
-
-
 def _why(e: OSError) -> str:
     if isinstance(e, fsafe.UnsafePath):
         return f"is {e.strerror or e}"
@@ -124,7 +111,10 @@ def _read_marker_at(dfd: int, name: str | None) -> tuple[Manifest | None, str | 
     except OSError as e:
         return None, f"{MARKER} {_why(e)}"
     try:
-        data = _read_limited(fd, MAX_MARKER_BYTES, MARKER)
+        try:
+            data = fsafe.read_fd(fd, MAX_MARKER_BYTES)
+        except fsafe.UnsafePath:
+            raise InvalidMarker(f"{MARKER} is larger than {MAX_MARKER_BYTES} bytes") from None
         return parse_marker(data, name), None
     except InvalidMarker as e:
         return None, str(e)

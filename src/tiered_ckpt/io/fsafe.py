@@ -209,22 +209,27 @@ def open_file(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int 
             os.close(dir_fd)
 
 
+def read_fd(fd: int, limit: int | None = None, path: str | os.PathLike[str] = "") -> bytes:
+    """Everything from an open file; more than `limit` bytes raises UnsafePath (EFBIG): a planted
+    file must not make a reader allocate without bound."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        b = os.read(fd, 1 << 20)
+        if not b:
+            return b"".join(chunks)
+        total += len(b)
+        if limit is not None and total > limit:
+            raise UnsafePath(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        chunks.append(b)
+
+
 def read_file(path: str | os.PathLike[str], *, anchor: str | os.PathLike[str] | None = None,
               limit: int | None = None) -> bytes:
     """The whole content of a regular file (at most `limit` bytes: more raises UnsafePath)."""
     fd = open_file(path, anchor=anchor)
     try:
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                break
-            total += len(b)
-            if limit is not None and total > limit:
-                raise UnsafePath(errno.EFBIG, f"larger than {limit} bytes", str(path))
-            chunks.append(b)
-        return b"".join(chunks)
+        return read_fd(fd, limit, path)
     finally:
         os.close(fd)
 

@@ -99,16 +99,7 @@ def read_small(dfd: int, name: str) -> bytes | None:
     except OSError:
         return None
     try:
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                return b"".join(chunks)
-            total += len(b)
-            if total > _SMALL_LIMIT:
-                return None
-            chunks.append(b)
+        return fsafe.read_fd(fd, _SMALL_LIMIT)
     except OSError:
         return None
     finally:
