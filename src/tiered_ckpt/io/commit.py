@@ -75,10 +75,7 @@ def write_marker(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, dir_fd
             "choose another name (epoch/step) — committed checkpoints are never overwritten"
         ) from None
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        fsafe.write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -234,6 +234,14 @@ def read_file(path: str | os.PathLike[str], *, anchor: str | os.PathLike[str] | 
         os.close(fd)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte (os.write may write fewer than asked)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
 def write_file(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644, exclusive: bool = False,
                anchor: str | os.PathLike[str] | None = None) -> None:
     """Create (or, unless exclusive, replace the content of) a small regular file, fsynced."""
@@ -241,10 +249,7 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644, 
     fd = open_file(path, flags, mode, anchor=anchor)
     try:
         os.fchmod(fd, mode)   # explicit: the process umask (000 seen in containers) must not widen it
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
