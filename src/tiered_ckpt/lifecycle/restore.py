@@ -117,6 +117,8 @@ class _Bytes:
             self._progress(self._what, self._done, self._total)
 
 
+# -- which checkpoint: committed on either tier ------------------------------------------------
+
 def parse_marker(data: bytes) -> mf.Manifest:
     """The manifest in a marker's bytes; ValueError if it is not a valid one."""
     return mf.Manifest.from_json(data)
@@ -249,6 +251,8 @@ def choose(cfg: NodeConfig, backend: TierBackend, name: str | None, warnings: li
     return found[max(found, key=lambda n: found[n].manifest.id)]
 
 
+# -- checks -------------------------------------------------------------------------------------
+
 def _hash_problems(root: Path, ckpt_dir: Path, files: list[mf.FileEntry], workers: int) -> list[tuple[mf.FileEntry, str]]:
     def check(f: mf.FileEntry) -> tuple[mf.FileEntry, str] | None:
         if f.hash is None:
@@ -283,6 +287,8 @@ def _refuse_links(root: Path, model: str, ckpt_dir: Path) -> None:
                 exit_code=EXIT_CONFLICT,
             )
 
+
+# -- the restore: under the checkpoint's lock, resident / released / from the archive ------------
 
 def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, verify: bool = False,
             progress: RestoreProgress | None = None,
