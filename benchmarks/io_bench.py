@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,7 @@ def _xxh3_GBps() -> float:
     return len(data) / best / 1e9
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     directory = Path(os.environ.get("BENCH_DIR", REPO / ".bench" / "io")).resolve()
     size = _env_size("BENCH_SIZE", "4GiB")
     jobs = int(os.environ.get("BENCH_JOBS", "4"))
