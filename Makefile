@@ -26,11 +26,13 @@ $(AZURITE): package.json package-lock.json
 	@npm ci --no-audit --no-fund --loglevel=error || { echo "error: npm could not install Azurite (package.json) from the npm registry; check access to $$(npm config get registry)" >&2; exit 1; }
 	@touch $@
 
-# Debian packages: fio (storage benchmark), cloud-init (schema check of the rendered custom data).
+# Debian packages: fio (storage benchmark), cloud-init (schema check of the rendered custom data),
+# strace (the DCP writer test asserts that a save renames nothing).
 debs:
 	@missing=""; \
 	command -v fio >/dev/null || missing="$$missing fio"; \
 	command -v cloud-init >/dev/null || missing="$$missing cloud-init"; \
+	command -v strace >/dev/null || missing="$$missing strace"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null \
