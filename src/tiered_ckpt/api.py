@@ -121,7 +121,12 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
          root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
          rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
          options: IoOptions = _DEFAULT, progress: Callable[[int], None] | None = None) -> SaveResult:
-    """Write `state` (name -> buffer) as checkpoint global_epoch{E}_step{S}; returns once committed.
+    """Write `state` as checkpoint global_epoch{E}_step{S}; returns once committed.
+
+    `state`: name -> buffer (bytes, memoryview, numpy array, torch tensor), or nested: dicts
+    (str or int keys), lists and tuples of buffers and JSON scalars (int, float, bool, str,
+    None), e.g. {"model": model.state_dict(), "optim": opt.state_dict(), "step": 3}. load()
+    returns the same structure (io.nested says what comes back as what).
 
     Adds at most io.sync_buffer_bytes (or options.buffer_bytes) of memory, whatever the
     checkpoint's size. `progress` is called with the bytes written since its last call.
@@ -172,6 +177,10 @@ def load(name: str | None = None, *, root: str | Path | None = None, model: str 
          verify_hash: bool = False, options: IoOptions = _DEFAULT,
          progress: Callable[[int], None] | None = None) -> dict[Any, Any]:
     """Read a committed checkpoint (default: the newest) into buffers: `into` ones, else new ones.
+
+    Returns the state as saved: a flat dict of buffers, or the nested structure (dict, OrderedDict,
+    list and tuple each come back as themselves; scalars as saved). `into` mirrors that structure
+    (all of it or a part; a None leaf is allocated) and is filled in place.
 
     Sizes are always checked; content hashes when verify_hash=True. Of `options`, threads,
     block_size and direct apply (the others are about saving).

@@ -218,3 +218,30 @@ def test_marker_structure_is_validated(tree: Any, needle: str) -> None:
     d["index"]["structure"] = []
     with pytest.raises(mf.InvalidMarker, match="not a mapping"):
         mf.validate(d)
+
+
+RANK = r"""
+import sys
+import tiered_ckpt as tc
+from tiered_ckpt.config import IoConfig, NodeConfig
+root, rank = sys.argv[1], int(sys.argv[2])
+cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10))
+state = {"shards": [bytes([rank + 1]) * (50_000 + rank)] * (rank + 1), "rank": rank, "meta": {"of": [rank, 2]}}
+tc.save(state, epoch=0, step=5, config=cfg, rank=rank, world_size=2, save_id="nested-job1")
+"""
+
+
+def test_each_rank_records_its_own_structure(cfg: NodeConfig, root: Path) -> None:
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(root), str(r)], stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    for r in (0, 1):
+        out = tc.load(config=cfg, rank=r, verify_hash=True)
+        assert out["rank"] == r and out["meta"] == {"of": [r, 2]}
+        assert [bytes(s) for s in out["shards"]] == [bytes([r + 1]) * (50_000 + r)] * (r + 1)
+    assert set(_marker(root, "global_epoch0_step5")["index"]["structure"]) == {"0", "1"}

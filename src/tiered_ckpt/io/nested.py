@@ -12,6 +12,12 @@ Tree nodes (each a one-key JSON object):
   {"val": <null|bool|int|float|str>}
   {"float": "nan"|"inf"|"-inf"}   a non-finite float (JSON has none)
 
+What comes back: dict as dict, OrderedDict as OrderedDict (a state dict's `_metadata`
+attribute is not kept; `load_state_dict` works without it), list as list, tuple as tuple (a
+tuple subclass such as torch.Size as a plain tuple), a str/int/float subclass (an enum) as its
+plain value (so a numpy float64, a float subclass, comes back as a float; other numpy
+scalars are buffers and come back as 0-d arrays). A buffer referenced twice is saved twice and loads as two buffers.
+
 A flat mapping of string keys to buffers (the original API) records no tree: its marker is
 byte-for-byte what it always was. Pure: no I/O, no numpy or torch import.
 """
