@@ -245,3 +245,15 @@ def test_each_rank_records_its_own_structure(cfg: NodeConfig, root: Path) -> Non
         assert out["rank"] == r and out["meta"] == {"of": [r, 2]}
         assert [bytes(s) for s in out["shards"]] == [bytes([r + 1]) * (50_000 + r)] * (r + 1)
     assert set(_marker(root, "global_epoch0_step5")["index"]["structure"]) == {"0", "1"}
+
+
+def test_async_save_snapshots_the_nested_state(cfg: NodeConfig) -> None:
+    w = np.arange(1000, dtype=np.float64)
+    state = {"opt": {"state": {0: {"m": w}}, "groups": [{"lr": 0.5, "params": [0]}]}, "step": 1}
+    h = tc.async_save(state, epoch=0, step=6, config=cfg)
+    w += 1                                    # after the snapshot: not in the checkpoint
+    state["step"] = 2
+    h.wait()
+    out = tc.load(config=cfg)
+    assert np.array_equal(out["opt"]["state"][0]["m"], np.arange(1000, dtype=np.float64)) and out["step"] == 1
+    assert out["opt"]["groups"] == [{"lr": 0.5, "params": [0]}]
