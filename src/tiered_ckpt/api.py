@@ -28,6 +28,7 @@ from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import pools as staging
 from tiered_ckpt.io import reader, writer
 from tiered_ckpt.io.layout import SAVE_ID
+from tiered_ckpt.io.nested import flatten_state
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.save_commit import note_failure
 from tiered_ckpt.io.sources import to_sources
@@ -90,11 +91,12 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         cfg = made["cfg"] = _cfg(config, root, model)
         cid = made["cid"] = _cid(name, epoch, step)
         opts = options.resolve(cfg.io)
-        sources = to_sources(state)
+        flat, structure = flatten_state(state)
+        sources = to_sources(flat)
         pool = staging.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
         s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
                                        overwrite_incomplete=options.overwrite_incomplete, save_id=save_id,
-                                       progress=progress,
+                                       progress=progress, structure=structure,
                                        name_check=reuse.checks_for(cfg.root, cfg.model, cid.name, cfg.archive))
         return s.prepare_local()
 
@@ -119,7 +121,12 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
          root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
          rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
          options: IoOptions = _DEFAULT, progress: Callable[[int], None] | None = None) -> SaveResult:
-    """Write `state` (name -> buffer) as checkpoint global_epoch{E}_step{S}; returns once committed.
+    """Write `state` as checkpoint global_epoch{E}_step{S}; returns once committed.
+
+    `state`: name -> buffer (bytes, memoryview, numpy array, torch tensor), or nested: dicts
+    (str or int keys), lists and tuples of buffers and JSON scalars (int, float, bool, str,
+    None), e.g. {"model": model.state_dict(), "optim": opt.state_dict(), "step": 3}. load()
+    returns the same structure (io.nested says what comes back as what).
 
     Adds at most io.sync_buffer_bytes (or options.buffer_bytes) of memory, whatever the
     checkpoint's size. `progress` is called with the bytes written since its last call.
@@ -166,10 +173,14 @@ def latest(*, root: str | Path | None = None, model: str | None = None,
 
 
 def load(name: str | None = None, *, root: str | Path | None = None, model: str | None = None,
-         config: config_mod.NodeConfig | None = None, rank: int | None = None, into: Mapping[str, Any] | None = None,
+         config: config_mod.NodeConfig | None = None, rank: int | None = None, into: Mapping[Any, Any] | None = None,
          verify_hash: bool = False, options: IoOptions = _DEFAULT,
-         progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+         progress: Callable[[int], None] | None = None) -> dict[Any, Any]:
     """Read a committed checkpoint (default: the newest) into buffers: `into` ones, else new ones.
+
+    Returns the state as saved: a flat dict of buffers, or the nested structure (dict, OrderedDict,
+    list and tuple each come back as themselves; scalars as saved). `into` mirrors that structure
+    (all of it or a part; a None leaf is allocated) and is filled in place.
 
     Sizes are always checked; content hashes when verify_hash=True. Of `options`, threads,
     block_size and direct apply (the others are about saving).

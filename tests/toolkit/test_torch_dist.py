@@ -29,7 +29,7 @@ out = {}
 try:
     state = {"t": torch.full((50_000,), rank, dtype=torch.bfloat16), "step": torch.tensor(7)}
     if bad and rank == 1:
-        state["oops"] = "not a tensor"
+        state["oops"] = {"not a tensor"}    # a set: neither a buffer nor a JSON scalar (a str now is one)
     tc.save(state, epoch=0, step=1, config=cfg)
     h = tc.async_save({"t": torch.arange(30_000) * (rank + 1)}, epoch=0, step=2, config=cfg)
     h.wait(60)
@@ -65,6 +65,6 @@ def test_two_torch_ranks_save_async_save_and_load(root: Path, tmp_path: Path) ->
 
 def test_one_rank_failing_fails_every_rank_without_hanging(root: Path, tmp_path: Path) -> None:
     outs = _run(root, tmp_path, bad=True)
-    assert "str; encode" in str(outs[1]["error"])
+    assert "'oops' (set) is not a buffer" in str(outs[1]["error"])
     assert "rank 1 failed" in str(outs[0]["error"]) and "nothing was committed" in str(outs[0]["error"])
     assert mf.read_marker(root / "m" / "global_epoch0_step1") is None

@@ -18,6 +18,7 @@ from typing import Any
 
 from tiered_ckpt.io.hashing import ALGORITHM
 from tiered_ckpt.io.layout import SAVE_ID as _SAVE_ID
+from tiered_ckpt.io.nested import check_tree
 from tiered_ckpt.naming import CheckpointId
 
 MARKER = "COMMITTED.json"
@@ -222,7 +223,7 @@ def _check_buffer(e: Any, where: str, rank: int, files: Mapping[str, FileEntry])
 def _check_index(index: Any, files: list[FileEntry], world_size: int) -> None:
     if not isinstance(index, dict):
         raise InvalidMarker(f"index is {_show(index)}, not a mapping")
-    extra = set(index) - {"save_id", "ranks"}
+    extra = set(index) - {"save_id", "ranks", "structure"}
     if extra:
         raise InvalidMarker(f"index has unknown keys {_show(sorted(extra))}")
     sid = index.get("save_id")
@@ -239,6 +240,17 @@ def _check_index(index: Any, files: list[FileEntry], world_size: int) -> None:
             raise InvalidMarker(f"index of rank {rk} is {_show(bufs)}, not a mapping")
         for name, e in bufs.items():
             _check_buffer(e, f"buffer {_show(name)} of rank {rk}", int(rk), by_path)
+    # Nested state's tree per rank (io.nested); absent for a flat state (and in older markers).
+    trees = index.get("structure", {})
+    if not isinstance(trees, dict):
+        raise InvalidMarker(f"index.structure is {_show(trees)}, not a mapping")
+    for rk, tree in trees.items():
+        if rk not in ranks:
+            raise InvalidMarker(f"index.structure has key {_show(rk)}, not a rank of index.ranks")
+        try:
+            check_tree(tree, f"index.structure of rank {rk}", ranks[rk])
+        except ValueError as e:
+            raise InvalidMarker(str(e)) from None
 
 
 def _created(v: Any) -> str:

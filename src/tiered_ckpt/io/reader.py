@@ -19,7 +19,7 @@ from typing import Any
 
 from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import fsafe, nested
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.pools import pool
 from tiered_ckpt.io.sources import allocate, writable_view
@@ -173,15 +173,28 @@ def rank_index(m: mf.Manifest, rank: int) -> dict[str, Any]:
     return idx
 
 
-def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[str, Any] | None = None, check_hash: bool = False,
+def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | None = None, check_hash: bool = False,
          threads: int = 8, block_size: int = 16 << 20, direct: bool = True,
-         progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+         progress: Callable[[int], None] | None = None) -> dict[Any, Any]:
+    """The rank's saved state: a flat dict of buffers, or the nested state as it was saved."""
     m = ckpt.manifest
     if m is None:
         why = ckpt.why_not_committed or f"not committed (no valid {mf.MARKER})"
         raise IntegrityError(f"{ckpt.path} is {why}; load a committed checkpoint (tiered-ckpt list)")
     idx = rank_index(m, rank)
-    into = into or {}
+    tree = m.index.get("structure", {}).get(str(rank))
+    if tree is None:
+        return _load_flat(ckpt, m, idx, rank, into or {}, check_hash, threads, block_size, direct, progress)
+    dests = nested.destinations(tree, into, f"checkpoint {m.name}") if into else {}
+    buffers = _load_flat(ckpt, m, idx, rank, dests, check_hash, threads, block_size, direct, progress)
+    out = nested.unflatten(tree, buffers)
+    assert isinstance(out, dict)    # the top of a saved state is a mapping (api refuses anything else)
+    return out
+
+
+def _load_flat(ckpt: mf.CheckpointInfo, m: mf.Manifest, idx: dict[str, Any], rank: int, into: Mapping[str, Any],
+               check_hash: bool, threads: int, block_size: int, direct: bool,
+               progress: Callable[[int], None] | None) -> dict[str, Any]:
     unknown = sorted(set(into) - set(idx))
     if unknown:
         raise UserError(f"load into: {unknown} not in checkpoint {m.name} (it holds {sorted(idx)[:10]})")

@@ -45,7 +45,7 @@ def valid_marker(dfd: int, cid: CheckpointId) -> mf.Manifest | None:
 
 # -- this rank ---------------------------------------------------------------------------
 def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size: int, files: list[FilePlan],
-               sources: list[Source], entries: list[mf.FileEntry]) -> None:
+               sources: list[Source], entries: list[mf.FileEntry], structure: dict[str, Any] | None = None) -> None:
     """This rank's part manifest: its files and where every buffer lives in them; fsynced."""
     index: dict[str, Any] = {}
     by_source: dict[int, list[list[Any]]] = {}
@@ -57,6 +57,8 @@ def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size:
                          "segments": by_source.get(si, [])}
     part = {"save_id": save_id, "rank": rank, "world_size": world_size,
             "checkpoint": cid.name, "files": [e.__dict__ for e in entries], "index": index}
+    if structure is not None:      # nested state (io.nested); a flat one's part is unchanged
+        part["structure"] = structure
     write_small(dfd, PART.format(rank=rank, sid=save_id), json.dumps(part, sort_keys=True).encode())
     os.fsync(dfd)
 
@@ -201,7 +203,10 @@ def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: 
         h = new_hasher()
         h.update(data)
         files.append(mf.FileEntry(name, len(data), h.hexdigest(), r))   # the bytes just parsed, hashed
-    index = {"save_id": save_id, "ranks": {str(r): p["index"] for r, p in enumerate(parts)}}
+    index: dict[str, Any] = {"save_id": save_id, "ranks": {str(r): p["index"] for r, p in enumerate(parts)}}
+    structures = {str(r): p["structure"] for r, p in enumerate(parts) if "structure" in p}
+    if structures:                 # only for nested state: a flat save's marker is unchanged
+        index["structure"] = structures
     m = mf.Manifest(epoch=cid.epoch, step=cid.step, files=files, world_size=world_size,
                     index=index, save_id=save_id)
     listed = {f.path for f in files}

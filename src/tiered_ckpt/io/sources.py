@@ -130,7 +130,8 @@ def to_source(name: str, obj: Any) -> Source:
         mv = memoryview(obj)
     except TypeError:
         raise UserError(
-            f"value of {name!r} ({type(obj).__name__}) is not a buffer; pass bytes, memoryview, a numpy array or a torch tensor"
+            f"value of {name!r} ({type(obj).__name__}) is not a buffer; pass bytes, memoryview, a numpy array or a torch "
+            "tensor (nested in dicts/lists, with int/float/bool/str/None values, if need be)"
         ) from None
     if not mv.c_contiguous:
         raise UserError(f"buffer {name!r} is not contiguous; pass a contiguous copy")

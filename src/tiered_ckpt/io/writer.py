@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import EXIT_CONFLICT, ConflictError, IntegrityError, UserError
@@ -67,7 +68,8 @@ class Save:
     def __init__(self, root: Path, model: str, cid: CheckpointId, sources: list[Source], comm: Comm,
                  opts: WriteOptions, pool: BlockPool, *, overwrite_incomplete: bool = True,
                  save_id: str | None = None, progress: Progress | None = None,
-                 name_check: Callable[[], None] | None = None) -> None:
+                 name_check: Callable[[], None] | None = None, structure: dict[str, Any] | None = None) -> None:
+        self.structure = structure   # nested state's tree (io.nested), None for a flat mapping
         self.root, self.model, self.cid, self.sources, self.comm, self.opts = Path(root), model, cid, sources, comm, opts
         self.pool, self.overwrite_incomplete, self.progress = pool, overwrite_incomplete, progress
         # Called by rank 0 under the claim, after the local marker check: raises ConflictError if the
@@ -328,7 +330,7 @@ class Save:
     def _write_part(self, entries: list[mf.FileEntry]) -> None:
         assert self.dfd is not None
         save_commit.write_part(self.dfd, self.cid, self.save_id, self.comm.rank, self.comm.world_size, self.files,
-                               self.sources, entries)
+                               self.sources, entries, self.structure)
 
     def _note_failure(self, exc: BaseException) -> None:
         """File mode: tell the other ranks (they poll for it) that this rank failed."""
