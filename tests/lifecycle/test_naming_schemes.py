@@ -160,3 +160,18 @@ def test_unknown_scheme_is_refused_with_the_choices(tmp_path: Path) -> None:
         assert shown in msg
     # the default stays out of a dumped config: configs from before `naming:` are unchanged
     assert "naming" not in dump(local_cfg(tmp_path, "UseDevelopmentStorage=true", "c"))
+
+
+def test_teardown_gate_scans_every_scheme(tmp_path: Path) -> None:
+    """The gate does not know each model's `naming:`: a checkpoint named in any built-in scheme
+    is one it must find archived before the file system goes."""
+    from tiered_ops.evidence import lustre_checkpoints
+
+    base = tmp_path / "lustrefs" / "checkpoints"
+    for model, name, step in (("a", "global_epoch0_step1", 1), ("b", "step-7", 7), ("c", "checkpoint-8", 8),
+                              ("d", "iter_0000009", 9), ("d", "iter_9", 9), ("b", "step-07", 7)):
+        _decoy(base / model, name, 0, step)
+    records, uncommitted = lustre_checkpoints(tmp_path / "lustrefs", "/checkpoints")
+    assert sorted((r.model, r.name) for r in records) == [("a", "global_epoch0_step1"), ("b", "step-7"),
+                                                          ("c", "checkpoint-8"), ("d", "iter_0000009")]
+    assert uncommitted == ()
