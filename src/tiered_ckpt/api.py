@@ -34,7 +34,8 @@ from tiered_ckpt.io.save_commit import note_failure
 from tiered_ckpt.io.sources import to_sources
 from tiered_ckpt.io.writer import SaveResult
 from tiered_ckpt.lifecycle import reuse
-from tiered_ckpt.naming import CheckpointId, require_name, require_number
+from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
+from tiered_ckpt.naming import CheckpointId, make_id, require_name, require_number, scheme
 
 _DEFAULT = IoOptions()     # every field from the node config, or its documented default
 
@@ -60,14 +61,18 @@ def _cfg(config: config_mod.NodeConfig | None, root: str | Path | None, model: s
     return cfg.with_overrides(root=str(root) if root is not None else None, model=model)
 
 
-def _cid(name: str | None, epoch: int | None, step: int | None) -> CheckpointId:
+def _cid(name: str | None, epoch: int | None, step: int | None, naming: str = DEFAULT_NAMING) -> CheckpointId:
     if name is not None:
         if epoch is not None or step is not None:
             raise UserError("pass either name= or epoch= and step=, not both")
-        return require_name(name)
+        return require_name(name, naming)
+    if naming != DEFAULT_NAMING and epoch is None and step is not None:
+        epoch = 0                 # a step-only scheme (step-{N}, checkpoint-{N}, iter_{N:07d})
     if epoch is None or step is None:
+        if naming != DEFAULT_NAMING:
+            raise UserError(f"name the checkpoint: pass step= (or name='{scheme(naming).example}')")
         raise UserError("name the checkpoint: pass epoch= and step= (or name='global_epoch<E>_step<S>')")
-    return CheckpointId(require_number(epoch, "epoch"), require_number(step, "step"))
+    return make_id(require_number(epoch, "epoch"), require_number(step, "step"), naming)
 
 
 def _require_options(options: Any) -> IoOptions:
@@ -89,7 +94,7 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         # Everything that can fail on one rank runs inside the agreement: the other ranks learn of
         # it (and fail too) instead of waiting for this one.
         cfg = made["cfg"] = _cfg(config, root, model)
-        cid = made["cid"] = _cid(name, epoch, step)
+        cid = made["cid"] = _cid(name, epoch, step, cfg.naming)
         opts = options.resolve(cfg.io)
         flat, structure = flatten_state(state)
         sources = to_sources(flat)
@@ -121,7 +126,8 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
          root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
          rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
          options: IoOptions = _DEFAULT, progress: Callable[[int], None] | None = None) -> SaveResult:
-    """Write `state` as checkpoint global_epoch{E}_step{S}; returns once committed.
+    """Write `state` as checkpoint global_epoch{E}_step{S} (or the model's `naming:` scheme, e.g.
+    step-{N} from step= alone); returns once committed.
 
     `state`: name -> buffer (bytes, memoryview, numpy array, torch tensor), or nested: dicts
     (str or int keys), lists and tuples of buffers and JSON scalars (int, float, bool, str,
@@ -169,7 +175,7 @@ def latest(*, root: str | Path | None = None, model: str | None = None,
            config: config_mod.NodeConfig | None = None) -> mf.CheckpointInfo | None:
     """The newest committed checkpoint (by epoch, step), found by scanning markers; None if none."""
     cfg = _cfg(config, root, model)
-    return mf.latest_committed(cfg.root, cfg.model)
+    return mf.latest_committed(cfg.root, cfg.model, cfg.naming)
 
 
 def load(name: str | None = None, *, root: str | Path | None = None, model: str | None = None,
@@ -188,12 +194,12 @@ def load(name: str | None = None, *, root: str | Path | None = None, model: str 
     cfg = _cfg(config, root, model)
     mf.require_root(cfg.root)
     if name is None:
-        info = mf.latest_committed(cfg.root, cfg.model)
+        info = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
         if info is None:
             raise IntegrityError(f"no committed checkpoint under {Path(cfg.root) / cfg.model}")
     else:
-        require_name(name)
-        found = mf.find(cfg.root, cfg.model, name)
+        require_name(name, cfg.naming)
+        found = mf.find(cfg.root, cfg.model, name, cfg.naming)
         if found is None:
             raise UserError(f"checkpoint {name} not found under {Path(cfg.root) / cfg.model} (tiered-ckpt list shows what is there)")
         info = found

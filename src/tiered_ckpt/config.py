@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from tiered_ckpt import naming
 from tiered_ckpt.errors import ConfigError
 
 DEFAULT_PATH = "/etc/tiered-ckpt/config.yaml"
@@ -104,6 +105,9 @@ class NodeConfig:
     model: str = "default"
     backend: str = "amlfs"            # amlfs | local
     nodes: int = 1
+    # How this model's checkpoint directories are named (tiered_ckpt.naming.SCHEMES): the
+    # default global_epoch{E}_step{S}, or torchtitan / huggingface / megatron layouts.
+    naming: str = "global_epoch"
     io: IoConfig = field(default_factory=IoConfig)
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     amlfs: AmlfsConfig = field(default_factory=AmlfsConfig)
@@ -279,6 +283,8 @@ def problems_of(cfg: NodeConfig) -> list[str]:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.model):
         problems.append(f"model: {cfg.model!r} must be letters, digits, '.', '_' or '-' (starting with a letter or digit)")
     _check_int(cfg.nodes, "nodes", 1, problems)
+    if naming.lookup(cfg.naming) is None:
+        problems.append(f"naming: {str(cfg.naming)[:80]!r} is not a naming scheme; use one of {naming.choices()}")
     _check_int(cfg.io.threads, "io.threads", 1, problems)
     _check_int(cfg.io.files_per_rank, "io.files_per_rank", 1, problems)
     if cfg.io.block_size < 4096 or cfg.io.block_size % 4096:
@@ -364,4 +370,6 @@ def dump(cfg: NodeConfig) -> str:
 
     d = asdict(cfg)
     d.pop("source", None)
+    if d.get("naming") == naming.DEFAULT:
+        d.pop("naming")           # configs written before `naming:` existed stay byte-identical
     return yaml.safe_dump(d, sort_keys=False)

@@ -50,7 +50,8 @@ from tiered_ckpt.io import fsafe, lock
 from tiered_ckpt.io.hashing import hash_path, new_hasher
 from tiered_ckpt.io.layout import SHARD, new_save_id
 from tiered_ckpt.io.posix import fsync_parents, open_data, open_subdir, os_error, pwrite_all, write_small
-from tiered_ckpt.naming import CheckpointId, require_name
+from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
+from tiered_ckpt.naming import CheckpointId, make_id, require_name, scheme
 
 __all__ = ["METADATA", "TieredReader", "TieredWriter", "is_dcp_checkpoint", "metadata_name"]
 
@@ -97,12 +98,13 @@ def _resolve(root: str | os.PathLike[str] | None, model: str | None, config: Nod
     return Path(root), model
 
 
-def _cid(name: str | None, epoch: int | None, step: int | None) -> CheckpointId:
+def _cid(name: str | None, epoch: int | None, step: int | None, naming: str = DEFAULT_NAMING) -> CheckpointId:
+    """The checkpoint's id in the model's `naming:` scheme (step alone for the step-only schemes)."""
     if name is not None:
-        return require_name(name)
-    if epoch is None or step is None:
+        return require_name(name, naming)
+    if step is None or (epoch is None and scheme(naming).has_epoch):
         raise UserError("pass name='global_epoch{E}_step{S}' or epoch= and step= (which checkpoint to save or load)")
-    return require_name(CheckpointId(epoch, step).name)
+    return make_id(epoch or 0, step, naming)
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -124,7 +126,8 @@ class TieredWriter(StorageWriter):
                  config: NodeConfig | None = None) -> None:
         super().__init__()
         self.root, self.model = _resolve(root, model, config)
-        self.cid = _cid(name, epoch, step)
+        self.naming = config.naming if config is not None else DEFAULT_NAMING
+        self.cid = _cid(name, epoch, step, self.naming)
         self.is_coordinator = False
         self._claim: ExitStack | None = None
         self._dfd: int | None = None
@@ -139,7 +142,7 @@ class TieredWriter(StorageWriter):
         self.close()      # a save that failed elsewhere never reached finish(): drop its claim
         if checkpoint_id:
             p = Path(checkpoint_id)
-            self.root, self.model, self.cid = p.parent.parent, p.parent.name, require_name(p.name)
+            self.root, self.model, self.cid = p.parent.parent, p.parent.name, require_name(p.name, self.naming)
         self.save_id = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -330,7 +333,8 @@ class TieredReader(StorageReader):
                  config: NodeConfig | None = None, verify_hash: bool = False) -> None:
         super().__init__()
         self.root, self.model = _resolve(root, model, config)
-        self.cid = _cid(name, epoch, step)
+        self.naming = config.naming if config is not None else DEFAULT_NAMING
+        self.cid = _cid(name, epoch, step, self.naming)
         self.verify_hash = verify_hash
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         self.manifest = self._check()
@@ -359,7 +363,7 @@ class TieredReader(StorageReader):
         self.storage_data = {}
         if checkpoint_id:
             p = Path(checkpoint_id)
-            self.root, self.model, self.cid = p.parent.parent, p.parent.name, require_name(p.name)
+            self.root, self.model, self.cid = p.parent.parent, p.parent.name, require_name(p.name, self.naming)
             self.manifest = self._check()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -168,7 +168,7 @@ class Demo:
             pending = [r for r in self.reports.values() if r.archived_after_seconds is None]
         if not pending:
             return
-        infos = [c for c in mf.scan(cfg.root, cfg.model) if c.name in {r.name for r in pending}]
+        infos = [c for c in mf.scan(cfg.root, cfg.model, cfg.naming) if c.name in {r.name for r in pending}]
         proofs = prove(backend, infos)
         now = self.now()
         with self.lock:

@@ -99,7 +99,9 @@ def lustre_checkpoints(mount: Path, prefix: str, *, hash_unhashed: bool = False
     # Dot-directories (bench scratch, locks) are never a model's checkpoints.
     models = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
     for model in models:
-        for info in mf.scan(root, model):
+        # Every model, whatever its `naming:` (not known here): a directory canonical in any
+        # built-in scheme is checked, so none is torn down unarchived for being named differently.
+        for info in mf.scan(root, model, None):
             if info.manifest is None:
                 uncommitted.append(f"{model}/{info.name}")
                 continue
@@ -190,7 +192,7 @@ def blob_evidence(store: Any, with_markers: bool, view: BlobView | None = None
         return listing, (), ()
     from tiered_ckpt.tiers.blob import archived_markers
 
-    for marker in archived_markers(store, view.infos):
+    for marker in archived_markers(store, view.infos, None):
         m = marker.manifest
         if m is None:
             bad.append((marker.rel, marker.problem))

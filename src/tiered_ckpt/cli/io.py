@@ -181,7 +181,7 @@ def _disk_usage(path: Path) -> tuple[int, int]:
 
 def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     root = mf.require_root(cfg.root)
-    infos = mf.scan(root, cfg.model)
+    infos = mf.scan(root, cfg.model, cfg.naming)
     done = mf.committed(infos)
     latest = done[-1] if done else None       # scan is oldest first; not a second scan
     rows: list[dict[str, Any]] = []
@@ -212,7 +212,7 @@ def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
-    require_name(args.name)
+    require_name(args.name, cfg.naming)
     root = mf.require_root(cfg.root)
     path = root / cfg.model / args.name
     m = mf.read_marker(path, anchor=root)

@@ -39,7 +39,8 @@ from tiered_ckpt.io.marker import (
     path_problem,
     validate,
 )
-from tiered_ckpt.naming import CheckpointId, parse_name
+from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
+from tiered_ckpt.naming import CheckpointId, parse_in
 
 __all__ = ["FORMAT", "MARKER", "MAX_MARKER_BYTES", "CheckpointInfo", "FileEntry", "InvalidMarker", "Manifest",
            "committed", "find", "fsync_dir", "inspect", "latest_committed", "model_dir", "parse_marker", "path_problem",
@@ -249,9 +250,11 @@ def model_dir(root: str | os.PathLike[str], model: str) -> Path:
     return Path(root) / model
 
 
-def scan(root: str | os.PathLike[str], model: str) -> list[CheckpointInfo]:
+def scan(root: str | os.PathLike[str], model: str, naming: str | None = DEFAULT_NAMING) -> list[CheckpointInfo]:
     """Every checkpoint directory of a model, committed or not, oldest first.
 
+    Directories named in scheme `naming` (the model's `naming:`; None: any built-in scheme) are
+    checkpoints; anything else is not one of this model's.
     The root is trusted; below it nothing is followed: a model or checkpoint directory that
     is a symlink is not scanned (it could point anywhere, e.g. at another model's data).
     """
@@ -267,8 +270,8 @@ def scan(root: str | os.PathLike[str], model: str) -> list[CheckpointInfo]:
     finally:
         os.close(dfd)
     for name, is_dir in entries:
-        cid = parse_name(name)
-        # Only the canonical spelling: "..._step05" would alias "..._step5".
+        cid = parse_in(name, naming)
+        # Only the canonical spelling of this model's scheme: "..._step05" would alias "..._step5".
         if cid is not None and is_dir and cid.name == name:
             found.append(inspect(model, d / name, cid, anchor=root))
     return sorted(found, key=lambda c: c.id)
@@ -278,13 +281,14 @@ def committed(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
     return [c for c in infos if c.committed]
 
 
-def latest_committed(root: str | os.PathLike[str], model: str) -> CheckpointInfo | None:
-    done = committed(scan(root, model))
+def latest_committed(root: str | os.PathLike[str], model: str,
+                     naming: str = DEFAULT_NAMING) -> CheckpointInfo | None:
+    done = committed(scan(root, model, naming))
     return done[-1] if done else None
 
 
-def find(root: str | os.PathLike[str], model: str, name: str) -> CheckpointInfo | None:
-    for c in scan(root, model):
+def find(root: str | os.PathLike[str], model: str, name: str, naming: str = DEFAULT_NAMING) -> CheckpointInfo | None:
+    for c in scan(root, model, naming):
         if c.name == name:
             return c
     return None

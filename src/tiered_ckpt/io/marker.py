@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
 from tiered_ckpt.io.hashing import ALGORITHM
 from tiered_ckpt.io.layout import SAVE_ID as _SAVE_ID
 from tiered_ckpt.io.nested import check_tree
-from tiered_ckpt.naming import CheckpointId
+from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
+from tiered_ckpt.naming import CheckpointId, parse_any, scheme
 
 MARKER = "COMMITTED.json"
 FORMAT = "tiered-ckpt/1"
@@ -61,10 +62,13 @@ class Manifest:
     index: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
     save_id: str | None = None   # which save wrote it (every file name of that save carries it)
+    # The directory naming scheme (tiered_ckpt.naming) the checkpoint is found under: not in the
+    # marker's bytes (the directory name says it), not part of equality.
+    naming: str = field(default=DEFAULT_NAMING, compare=False, repr=False)
 
     @property
     def id(self) -> CheckpointId:
-        return CheckpointId(self.epoch, self.step)
+        return CheckpointId(self.epoch, self.step, self.naming)
 
     @property
     def name(self) -> str:
@@ -76,6 +80,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = asdict(self)
+        del d["naming"]
         if d["save_id"] is None:
             del d["save_id"]      # byte-compatible with markers of the released version
         return json.dumps(d, indent=1, sort_keys=True).encode()
@@ -303,7 +308,9 @@ def validate(d: Any) -> Manifest:
 def parse_marker(data: bytes | str, name: str | None = None) -> Manifest:
     """Validate a marker's bytes (from disk or from Blob); InvalidMarker says why not.
 
-    `name`: the checkpoint directory the marker was found in; its epoch/step must match it.
+    `name`: the checkpoint directory the marker was found in; its epoch/step must match it (the
+    name's scheme is whichever built-in one it is canonical in: their patterns are disjoint), and
+    the manifest's `naming` is that scheme.
     """
     try:
         d = json.loads(data)
@@ -312,6 +319,19 @@ def parse_marker(data: bytes | str, name: str | None = None) -> Manifest:
     except RecursionError:
         raise InvalidMarker("does not parse (nested too deeply)") from None
     m = validate(d)
-    if name is not None and m.name != name:
-        raise InvalidMarker(f"names checkpoint {m.name}, but it is in {_show(name)}")
+    if name is not None:
+        return with_name(m, name)
+    return m
+
+
+def with_name(m: Manifest, name: str) -> Manifest:
+    """`m` as found in directory `name`; InvalidMarker when its epoch/step are not that name's."""
+    cid = parse_any(name)
+    if cid is None or (cid.epoch, cid.step) != (m.epoch, m.step):
+        s = scheme(cid.naming if cid is not None else DEFAULT_NAMING)
+        shown = CheckpointId(m.epoch, m.step, s.key).name if s.has_epoch or m.epoch == 0 else \
+            f"epoch {m.epoch} step {m.step}"
+        raise InvalidMarker(f"names checkpoint {shown}, but it is in {_show(name)}")
+    if cid.naming != m.naming:
+        m = replace(m, naming=cid.naming)
     return m

@@ -13,6 +13,7 @@ Every function works on the open checkpoint directory `dfd` (see posix.py: nothi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -40,7 +41,7 @@ def valid_marker(dfd: int, cid: CheckpointId) -> mf.Manifest | None:
         m = mf.Manifest.from_json(data)
     except ValueError:
         return None
-    return m if m.id == cid else None
+    return dataclasses.replace(m, naming=cid.naming) if m.id == cid else None
 
 
 # -- this rank ---------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: 
     if structures:                 # only for nested state: a flat save's marker is unchanged
         index["structure"] = structures
     m = mf.Manifest(epoch=cid.epoch, step=cid.step, files=files, world_size=world_size,
-                    index=index, save_id=save_id)
+                    index=index, save_id=save_id, naming=cid.naming)
     listed = {f.path for f in files}
     removed = False
     with os.scandir(dfd) as it:

@@ -50,6 +50,7 @@ from tiered_ckpt.io.lock import checkpoint_lock
 from tiered_ckpt.io.posix import os_error
 from tiered_ckpt.lifecycle import tombstone
 from tiered_ckpt.lifecycle.journal import forget, note_restored
+from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import require_name
 from tiered_ckpt.tiers.backends import TierBackend, archive_damaged, ensure_dir, hash_at
 from tiered_ckpt.tiers.blob import BlobInfo, BlobStore, archived_markers
@@ -124,9 +125,10 @@ def parse_marker(data: bytes) -> mf.Manifest:
     return mf.Manifest.from_json(data)
 
 
-def _archive_found(store: BlobStore, model: str, blobs: Mapping[str, BlobInfo]) -> dict[str, Found]:
+def _archive_found(store: BlobStore, model: str, blobs: Mapping[str, BlobInfo],
+                   naming: str = DEFAULT_NAMING) -> dict[str, Found]:
     out: dict[str, Found] = {}
-    for marker in archived_markers(store, blobs):
+    for marker in archived_markers(store, blobs, naming):
         m = marker.manifest
         if m is None or not m.files:
             continue
@@ -136,13 +138,14 @@ def _archive_found(store: BlobStore, model: str, blobs: Mapping[str, BlobInfo]) 
     return out
 
 
-def archive_committed(store: BlobStore, model: str, listing: Mapping[str, BlobInfo] | None = None) -> list[mf.Manifest]:
+def archive_committed(store: BlobStore, model: str, listing: Mapping[str, BlobInfo] | None = None,
+                      naming: str = DEFAULT_NAMING) -> list[mf.Manifest]:
     """Checkpoints committed in Blob: marker parses, names itself, every file present with its size.
 
     `listing`: the model's blobs when the caller has listed them already (status).
     """
     blobs = store.listing(model) if listing is None else listing
-    return sorted((f.manifest for f in _archive_found(store, model, blobs).values()), key=lambda m: m.id)
+    return sorted((f.manifest for f in _archive_found(store, model, blobs, naming).values()), key=lambda m: m.id)
 
 
 def _read_marker(root: Path, ckpt_dir: Path) -> bytes | None:
@@ -188,10 +191,10 @@ def _local_found(cfg: NodeConfig, name: str) -> Found | None:
         data = _read_marker(root, d)
         if data is None:
             return None
-        m = parse_marker(data)
+        m = mf.parse_marker(data, name)    # epoch/step must be those of the directory's name
     except (OSError, ValueError):
         return None
-    if m.name != name or not m.files or _size_problems(root, d, m):
+    if m.naming != cfg.naming or m.name != name or not m.files or _size_problems(root, d, m):
         return None
     return Found(m, "accelerator", data)
 
@@ -207,10 +210,10 @@ def committed_anywhere(cfg: NodeConfig, backend: TierBackend, warnings: list[str
     unreachable: UnavailableError | None = None
     if backend.archive_configured:
         try:
-            found.update(_archive_found(backend.store, cfg.model, backend.store.listing(cfg.model)))
+            found.update(_archive_found(backend.store, cfg.model, backend.store.listing(cfg.model), cfg.naming))
         except UnavailableError as e:
             unreachable = e
-    for c in mf.committed(mf.scan(cfg.root, cfg.model)):
+    for c in mf.committed(mf.scan(cfg.root, cfg.model, cfg.naming)):
         local = _local_found(cfg, c.name)
         if local is not None:
             found[c.name] = local
@@ -228,12 +231,12 @@ def _resolve(cfg: NodeConfig, backend: TierBackend, name: str) -> Found | None:
     if local is not None or not backend.archive_configured:
         return local
     store = backend.store
-    return _archive_found(store, cfg.model, store.listing(f"{cfg.model}/{name}")).get(name)
+    return _archive_found(store, cfg.model, store.listing(f"{cfg.model}/{name}"), cfg.naming).get(name)
 
 
 def choose(cfg: NodeConfig, backend: TierBackend, name: str | None, warnings: list[str] | None = None) -> Found:
     if name is not None:
-        require_name(name)
+        require_name(name, cfg.naming)
     found = committed_anywhere(cfg, backend, warnings)
     if name is not None:
         if name not in found:

@@ -162,7 +162,7 @@ def candidates(cfg: NodeConfig, backend: TierBackend) -> list[Candidate]:
 
 
 def _gather(cfg: NodeConfig, backend: TierBackend) -> tuple[list[Candidate], dict[str, bytes]]:
-    infos = mf.scan(cfg.root, cfg.model)
+    infos = mf.scan(cfg.root, cfg.model, cfg.naming)
     evidence = _evidence(cfg.root, infos)
     cands = candidates_from(infos, prove(backend, infos), journaled(cfg.root, cfg.model),
                             restored(cfg.root, cfg.model))
@@ -196,7 +196,7 @@ def _recheck(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions,
     (info, None) to go ahead, or (None, the decision to report instead).
     """
     path = mf.model_dir(cfg.root, cfg.model) / d.name
-    cid = parse_name(d.name)
+    cid = parse_name(d.name, cfg.naming)
     want = ev.evidence.get(d.name)
     if cid is None or want is None or not fsafe.is_real_dir(path) or _marker_bytes(cfg.root, path) != want:
         return None, Decision(d.name, SKIP, ("changed since the plan (re-saved, restored or removed): not touched; "
@@ -234,7 +234,7 @@ def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime |
         # brought it back): drop them, so they can never mark a later restore for deletion.
         for name in journaled(root, cfg.model):
             where = model_dir / name
-            if parse_name(name) is None or not where.exists() or mf.read_marker(where) is not None:
+            if parse_name(name, cfg.naming) is None or not where.exists() or mf.read_marker(where) is not None:
                 forget(root, cfg.model, name)
         # Restore records past their grace period, or of checkpoints gone: no longer needed.
         cutoff = datetime.now(timezone.utc).timestamp() - policy.restore_grace

@@ -127,7 +127,7 @@ def gather(backend: TierBackend, policy: Policy | None = None,
     mf.require_root(cfg.root)
     policy = policy or Policy.from_config(cfg.retention)
     out = Status(cfg.model, backend.kind, str(cfg.root))
-    infos = mf.scan(cfg.root, cfg.model)
+    infos = mf.scan(cfg.root, cfg.model, cfg.naming)
     # One listing of the model's blobs serves the proof, the archive-only checkpoints and the
     # backlog: on a large model each listing is many pages, and an unreachable archive would
     # otherwise be retried (with backoff) once per use.
@@ -170,13 +170,13 @@ def gather(backend: TierBackend, policy: Policy | None = None,
     local_names = {c.name for c in infos if c.committed}
     if blobs is not None:
         try:
-            for m in archive_committed(backend.store, cfg.model, blobs):
+            for m in archive_committed(backend.store, cfg.model, blobs, cfg.naming):
                 if m.name not in local_names:
                     out.checkpoints.append(CheckpointStatus(m.name, "only in archive", m.total_bytes,
                                                             "restore: download (local) / import job (AMLFS)"))
         except UserError as e:
             out.warnings.append(f"archive listing unavailable: {e}")
-    out.checkpoints.sort(key=lambda s: parse_name(s.name) or CheckpointId(0, 0))
+    out.checkpoints.sort(key=lambda s: parse_name(s.name, cfg.naming) or CheckpointId(0, 0))
     try:
         if archive_err is not None and backend.kind == "local":
             raise archive_err       # local mode measures the backlog against the archive

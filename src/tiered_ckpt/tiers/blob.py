@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, TypeVar
 
 from azure.core.exceptions import (
@@ -27,7 +27,8 @@ from tiered_ckpt.errors import EXIT_FAILED, EXIT_UNAVAILABLE, ConfigError, Unava
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.io.commit import MARKER, Manifest
 from tiered_ckpt.io.hashing import new_hasher
-from tiered_ckpt.naming import parse_name
+from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
+from tiered_ckpt.naming import parse_in
 from tiered_ckpt.redact import redact, safe_url
 
 T = TypeVar("T")
@@ -385,11 +386,16 @@ class ArchivedMarker:
     data: bytes = b""             # the marker blob's bytes, as read
 
 
-def archived_markers(store: BlobStore, listing: Mapping[str, BlobInfo]) -> Iterator[ArchivedMarker]:
-    """Every marker in a listing, parsed: the archive side of "scan markers, trust no pointer"."""
+def archived_markers(store: BlobStore, listing: Mapping[str, BlobInfo],
+                     naming: str | None = DEFAULT_NAMING) -> Iterator[ArchivedMarker]:
+    """Every marker in a listing, parsed: the archive side of "scan markers, trust no pointer".
+
+    Only directories named in scheme `naming` (the model's) count: another scheme's name is not
+    a checkpoint of this model (None: any built-in scheme).
+    """
     for rel in sorted(listing):
         parts = rel.split("/")
-        if len(parts) != 3 or parts[2] != MARKER or parse_name(parts[1]) is None:
+        if len(parts) != 3 or parts[2] != MARKER or (cid := parse_in(parts[1], naming)) is None:
             continue
         data = store.get_bytes(rel)
         if data is None:       # deleted since the listing
@@ -399,6 +405,7 @@ def archived_markers(store: BlobStore, listing: Mapping[str, BlobInfo]) -> Itera
         except ValueError as e:
             yield ArchivedMarker(rel, parts[0], parts[1], len(data), None, f"does not parse ({e})", data)
             continue
+        m = replace(m, naming=cid.naming)
         if m.name != parts[1]:
             yield ArchivedMarker(rel, parts[0], parts[1], len(data), None, f"names checkpoint {m.name}, not {parts[1]}", data)
             continue
