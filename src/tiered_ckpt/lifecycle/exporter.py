@@ -107,25 +107,23 @@ def walk_tree(top: Path) -> tuple[dict[str, os.stat_result], list[str]]:
         where = shown(e.filename) if e.filename is not None else shown(top)
         failed.append(f"{where}: cannot read the directory ({e.strerror or e}); its files are not exported")
 
-    for dirpath, dirnames, filenames in os.walk(top, onerror=unreadable):
-        rel_dir = Path(dirpath).relative_to(top).as_posix()
+    def exportable(dirpath: str, names: list[str], what: str) -> list[str]:
+        """The names an iteration considers: dot-names skipped, names that are not UTF-8 failed."""
         keep = []
-        for d in dirnames:
-            if d.startswith("."):
-                continue
-            if not _utf8(d):
-                failed.append(f"{shown(os.path.join(dirpath, d))}: the name is not valid UTF-8 (Blob names must be); "
-                              "rename it to export what is under it")
-                continue
-            keep.append(d)
-        dirnames[:] = keep
-        for n in filenames:
+        for n in names:
             if n.startswith("."):
                 continue
             if not _utf8(n):
                 failed.append(f"{shown(os.path.join(dirpath, n))}: the name is not valid UTF-8 (Blob names must be); "
-                              "rename it to export it")
+                              f"rename it to export {what}")
                 continue
+            keep.append(n)
+        return keep
+
+    for dirpath, dirnames, filenames in os.walk(top, onerror=unreadable):
+        rel_dir = Path(dirpath).relative_to(top).as_posix()
+        dirnames[:] = exportable(dirpath, dirnames, "what is under it")
+        for n in exportable(dirpath, filenames, "it"):
             try:
                 st = os.lstat(os.path.join(dirpath, n))
             except FileNotFoundError:       # deleted since the directory was read
