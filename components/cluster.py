@@ -29,7 +29,6 @@ NODE_ACTIONS = [
     "Microsoft.StorageCache/amlFilesystems/read",
     "Microsoft.StorageCache/amlFilesystems/importJobs/read",
     "Microsoft.StorageCache/amlFilesystems/importJobs/write",
-    "Microsoft.StorageCache/amlFilesystems/importJobs/delete",
     "Microsoft.StorageCache/amlFilesystems/autoExportJobs/read",
     "Microsoft.StorageCache/amlFilesystems/autoExportJobs/write",
 ]

@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from tests.doubles.arm_double import OPERATOR_TOKEN
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig
 from tiered_ckpt.errors import ConfigError, ConflictError, IntegrityError, UnavailableError
 from tiered_ckpt.tiers.arm import (
@@ -250,7 +251,7 @@ def test_import_prefix_must_be_a_container_path(arm_jobs):
 
 
 def test_running_blob_jobs_lists_imports_and_archive(arm_double, arm_jobs):
-    jobs = arm_jobs()
+    jobs = arm_jobs(token=OPERATOR_TOKEN)
     assert jobs.running_blob_jobs() == []
     arm_double.scenario.autoexport["state"] = "Disabled"
     arm_double.scenario.import_polls = 1000
@@ -258,21 +259,21 @@ def test_running_blob_jobs_lists_imports_and_archive(arm_double, arm_jobs):
 
     jobs.client.import_jobs.begin_create_or_update(
         "scgroup", "fs1", "other", ImportJob(location="eastus", properties=ImportJobProperties(import_prefixes=["/x"])),
-        polling_interval=0.01,
+        polling=False,
     ).result()
     assert jobs.running_blob_jobs() == ["importJobs/other (InProgress)"]
     with pytest.raises(ConflictError):
         jobs.start_archive("/")
 
 
-# -- manual archive --------------------------------------------------------------------------------------------
+# -- manual archive (the operator's: teardown runs it, the node role cannot) --------------------------------------------------------------------------------------------
 
 
 def test_archive_runs_after_disable_and_reports_progress(arm_double, arm_jobs):
     archived: list[str] = []
     arm_double.scenario.archive_polls = 3
     arm_double.scenario.archive_hook = archived.append
-    jobs = arm_jobs()
+    jobs = arm_jobs(token=OPERATOR_TOKEN)
     assert jobs.archive_status().state == "Idle"
     with pytest.raises(ConflictError):
         jobs.start_archive("/checkpoints")          # auto-export is a blob job too
@@ -291,7 +292,7 @@ def test_archive_runs_after_disable_and_reports_progress(arm_double, arm_jobs):
 
 def test_archive_failure_is_reported_with_the_service_error(arm_double, arm_jobs):
     arm_double.scenario.archive_result = "Failed"
-    jobs = arm_jobs()
+    jobs = arm_jobs(token=OPERATOR_TOKEN)
     jobs.disable_autoexport()
     jobs.start_archive("/")
     with pytest.raises(UnavailableError, match="ended Failed: ArchiveFailed: Archive failed"):
@@ -299,7 +300,7 @@ def test_archive_failure_is_reported_with_the_service_error(arm_double, arm_jobs
 
 
 def test_cancel_archive(arm_double, arm_jobs):
-    jobs = arm_jobs()
+    jobs = arm_jobs(token=OPERATOR_TOKEN)
     arm_double.scenario.archive_polls = 1000
     jobs.disable_autoexport()
     jobs.start_archive("/")

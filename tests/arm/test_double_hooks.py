@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from azure.storage.blob import ContainerClient
 
-from tests.doubles.arm_double import blob_archive_hook, blob_import_hook
+from tests.doubles.arm_double import OPERATOR_TOKEN, blob_archive_hook, blob_import_hook
 from tiered_ckpt.tiers.arm import ImportJobError
 
 CKPT = "checkpoints/llama/global_epoch1_step100"
@@ -21,7 +21,7 @@ def test_import_restores_the_prefix_and_archive_uploads_it(arm_double, arm_jobs,
     (src / "checkpoints/llama/other/keep.bin").write_bytes(b"z")
 
     arm_double.scenario.archive_hook = blob_archive_hook(conn, container, src)
-    jobs = arm_jobs()
+    jobs = arm_jobs(token=OPERATOR_TOKEN)     # a manual archive is the operator's (teardown), not the node's
     with jobs.autoexport_paused():
         jobs.start_archive("/" + CKPT)
         jobs.wait_archive("/" + CKPT)

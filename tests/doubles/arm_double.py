@@ -17,6 +17,10 @@ azure-mgmt-storagecache 4.1.0 client sends. Examples followed, response by respo
 * DELETE .../importJobs/{job}                  -- 2026-08-01/importJobs_Delete.json (202 + headers / 204)
 * GET  .../locations/{loc}/ascOperations/{id}  -- 2026-08-01/AscOperations_Get.json (the async-operation monitor)
 
+Every request is authorized as ARM does (role actions/notActions at a scope, per bearer token;
+see Grant): the node identity gets the roles the Pulumi program assigns (tests/doubles/
+program_roles.py), an operator token Contributor on the subscription, anyone else nothing.
+
 Errors use the ARM error body {"error": {"code", "message"}}; 403 and 404 carry ARM's
 AuthorizationFailed / ResourceNotFound wording. Two behaviours come from the service docs, not the
 examples, and their error codes are this double's choice: only one blob job runs at a time (a new
@@ -103,6 +107,45 @@ class StaticTokenCredential:
 
         self.scopes.append(scopes)
         return AccessToken(self.token, int(dt.datetime.now().timestamp()) + 3600)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One role assignment as ARM evaluates it: the role's actions/notActions at a scope.
+
+    ARM allows a management request when some assignment of the caller has a scope that is the
+    request's resource or one of its parents, and an action pattern (`*` wildcards, case
+    insensitive) that matches the operation while no notActions pattern does
+    (https://learn.microsoft.com/azure/role-based-access-control/role-definitions#actions,
+    .../role-definitions#notactions, .../scope-overview).
+    """
+
+    actions: tuple[str, ...]
+    scope: str
+    not_actions: tuple[str, ...] = ()
+
+    def allows(self, action: str, resource: str) -> bool:
+        import fnmatch
+
+        scope, res, act = self.scope.rstrip("/").lower(), resource.rstrip("/").lower(), action.lower()
+        if not (res == scope or res.startswith(scope + "/") or scope == ""):
+            return False
+        if not any(fnmatch.fnmatchcase(act, a.lower()) for a in self.actions):
+            return False
+        return not any(fnmatch.fnmatchcase(act, a.lower()) for a in self.not_actions)
+
+
+# Azure's built-in Contributor role (what an operator usually holds on the subscription): every
+# management action except granting access (https://learn.microsoft.com/azure/role-based-access-control/
+# built-in-roles/privileged#contributor).
+CONTRIBUTOR_ACTIONS = ("*",)
+CONTRIBUTOR_NOT_ACTIONS = (
+    "Microsoft.Authorization/*/Delete", "Microsoft.Authorization/*/Write", "Microsoft.Authorization/elevateAccess/Action",
+    "Microsoft.Blueprint/blueprintAssignments/write", "Microsoft.Blueprint/blueprintAssignments/delete",
+    "Microsoft.Compute/galleries/share/action", "Microsoft.Purview/consents/write", "Microsoft.Purview/consents/delete",
+)
+NODE_TOKEN = "fake-arm-token"          # StaticTokenCredential's default: the node's managed identity
+OPERATOR_TOKEN = "operator-arm-token"  # a person with Contributor on the subscription
 
 
 @dataclass
@@ -212,6 +255,37 @@ class ArmDouble:
         self._archive: dict[str, Any] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._ae_update: dict[str, Any] | None = None   # an auto-export PATCH still being applied
+        # RBAC: bearer token -> its role assignments. Every request is checked (no token is trusted).
+        self.grants: dict[str, list[Grant]] = {}
+        self.authorized: list[tuple[str, str]] = []     # (token, action) of every request allowed
+
+    # -- RBAC ------------------------------------------------------------------------------------
+
+    def grant(self, token: str, actions: Any, scope: str, not_actions: Any = ()) -> None:
+        """Give the caller presenting `token` a role with `actions` at `scope` (an ARM resource id)."""
+        with self.lock:
+            self.grants.setdefault(token, []).append(Grant(tuple(actions), scope, tuple(not_actions)))
+
+    def grant_operator(self, token: str = OPERATOR_TOKEN) -> None:
+        """Contributor on the whole subscription."""
+        self.grant(token, CONTRIBUTOR_ACTIONS, f"/subscriptions/{self.subscription_id}", CONTRIBUTOR_NOT_ACTIONS)
+
+    @property
+    def filesystem_id(self) -> str:
+        return self._fs_id()
+
+    def _authorize(self, token: str, kind: str, path: str) -> tuple[int, dict[str, str], Any] | None:
+        action = _action(kind)
+        if any(g.allows(action, path) for g in self.grants.get(token, [])):
+            self.authorized.append((token, action))
+            return None
+        return 403, {}, _err(
+            "AuthorizationFailed",
+            f"The client '{_principal(token)}' with object id '{_principal(token)}' does not have authorization to "
+            f"perform action '{action}' over scope '{path}' or the scope is invalid. If access was recently granted, "
+            "please refresh your credentials.",
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -331,6 +405,9 @@ class ArmDouble:
         if query.get("api-version") != [API_VERSION]:
             return 400, {}, _err("InvalidApiVersionParameter", f"The api-version '{query.get('api-version')}' is invalid.")
         base = kind.split(":")[0]
+        denied = self._authorize(auth[len("Bearer "):], base, path)
+        if denied is not None:
+            return denied
         queue = sc.faults.get(base) or sc.faults.get(kind)
         if queue:
             code = queue.pop(0)
@@ -416,12 +493,23 @@ class ArmDouble:
             "properties": {
                 "adminStatus": self.scenario.autoexport_admin,
                 "autoExportPrefixes": list(self.scenario.autoexport_prefixes),
-                "provisioningState": "Succeeded",
+                "provisioningState": self._ae_provisioning(),
                 "status": dict(self.scenario.autoexport),
             },
         }
 
+    def _ae_provisioning(self) -> str:
+        u = self._ae_update
+        if u is None:
+            return "Succeeded"
+        return "Updating" if u["left"] >= 0 else u["result"]
+
     def _advance_autoexport(self) -> None:
+        u = self._ae_update
+        if u is not None and u["left"] >= 0:
+            # A PATCH is applied over `lro_polls` GETs (the job reads Updating meanwhile), then
+            # ends Succeeded or Failed; the async-operation monitor reports the same outcome.
+            u["left"] -= 1
         st = self.scenario.autoexport
         if self.scenario.iterate_on_get and st.get("state") == "InProgress":
             st["exportIterationCount"] = int(st.get("exportIterationCount", 0)) + 1
@@ -453,6 +541,7 @@ class ArmDouble:
                 sc.autoexport["state"] = "Disabling"
                 sc.autoexport["statusMessage"] = "Auto Export is disabling"
                 self._disabling_left = sc.disable_polls
+            self._ae_update = {"left": sc.lro_polls, "result": "Succeeded"}
             return 202, self._new_op(), None
         # Enable
         if sc.enable_fails == "http":
@@ -462,10 +551,13 @@ class ArmDouble:
         if running:
             return 409, {}, _err("Conflict", f"Cannot enable auto export while {running} is running; only one blob job can run at a time.")
         if sc.enable_fails == "lro":
+            # Accepted, then the update fails: adminStatus stays Disable, provisioningState Failed.
+            self._ae_update = {"left": sc.lro_polls, "result": "Failed"}
             return 202, self._new_op("Failed", ("InternalServerError", "Auto Export job could not be enabled.")), None
         sc.autoexport_admin = "Enable"
         sc.autoexport["state"] = "InProgress"
         sc.autoexport["statusMessage"] = "Auto Export is in progress"
+        self._ae_update = {"left": sc.lro_polls, "result": "Succeeded"}
         return 202, self._new_op(), None
 
     # -- import jobs -----------------------------------------------------------------------------------
@@ -659,9 +751,17 @@ def _not_found(rtype: str, name: str, rg: str) -> dict[str, Any]:
     )
 
 
+def _principal(token: str) -> str:
+    """A stable object id per token, for ARM-shaped error messages."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "arm-double-principal:" + token))
+
+
 def _action(kind: str) -> str:
     base = "Microsoft.StorageCache/amlFilesystems"
     return {
+        # The async-operation monitor lives at subscription scope, not under the file system.
+        "asyncop.get": "Microsoft.StorageCache/locations/ascoperations/read",
+        "autoexports.get": f"{base}/autoExportJobs/read",
         "fs.get": f"{base}/read",
         "archive.post": f"{base}/archive/action",
         "cancelArchive.post": f"{base}/cancelArchive/action",

@@ -89,9 +89,9 @@ def test_provider_deserializes_without_the_project_on_the_path(tmp_path: Path) -
 def _client(arm_double):  # type: ignore[no-untyped-def]
     from azure.mgmt.storagecache import StorageCacheManagementClient
 
-    from tests.doubles.arm_double import StaticTokenCredential
+    from tests.doubles.arm_double import OPERATOR_TOKEN, StaticTokenCredential
 
-    return StorageCacheManagementClient(StaticTokenCredential(), arm_double.subscription_id, base_url=arm_double.endpoint,
+    return StorageCacheManagementClient(StaticTokenCredential(OPERATOR_TOKEN), arm_double.subscription_id, base_url=arm_double.endpoint,
                                         connection_verify=str(arm_double.ca_cert), retry_total=1)
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from azure.storage.blob import ContainerClient
 
+from tests.doubles.arm_double import NODE_TOKEN, OPERATOR_TOKEN
+from tests.doubles.arm_fixtures import use_identity
 from tests.lifecycle.helpers import FAKE_LFS, amlfs_cfg, lfs_calls, make_checkpoint
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.config import dump
@@ -132,7 +134,11 @@ def _import_hook(cfg, store: BlobStore):
     return hook
 
 
-def test_restore_deleted_checkpoint_through_an_import_job(aml, arm_env, capsys) -> None:
+@pytest.mark.parametrize("token", [NODE_TOKEN, OPERATOR_TOKEN], ids=["node-identity", "operator"])
+def test_restore_deleted_checkpoint_through_an_import_job(aml, arm_env, capsys, monkeypatch, token) -> None:
+    # Retention, restore and status with the node's managed identity (the roles the program
+    # assigns, enforced by the double) and with an operator's Contributor role.
+    use_identity(monkeypatch, token)
     cfg, store, _, _ = aml
     cfg = cfg.with_overrides(amlfs=arm_env.config_values())
     for s in (10, 20):
@@ -150,6 +156,7 @@ def test_restore_deleted_checkpoint_through_an_import_job(aml, arm_env, capsys) 
     assert not any(s.released for s in states.values())
     st = gather(backend)
     assert st.export["state"] == "InProgress" and st.export["last_success_utc"] is not None
+    assert "asyncop.get" not in arm_env.kinds()     # no subscription-scoped LRO poll
 
 
 @pytest.mark.parametrize("result", ["CompletedPartial", "Failed"])

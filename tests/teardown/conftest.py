@@ -18,7 +18,8 @@ import pytest
 import xxhash
 from azure.storage.blob import ContainerClient
 
-from tests.doubles.arm_double import ArmDouble, blob_archive_hook
+from tests.doubles.arm_double import OPERATOR_TOKEN, ArmDouble, blob_archive_hook
+from tests.doubles.arm_fixtures import use_identity
 from tests.doubles.fake_pulumi import parse
 from tiered_ckpt.io import commit as mf
 
@@ -197,6 +198,7 @@ def outputs_on(arm: ArmDouble, container: str) -> dict[str, Any]:
 def env(arm_env: ArmDouble, azurite_container: tuple[str, str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     conn, container = azurite_container
+    use_identity(monkeypatch, OPERATOR_TOKEN)   # teardown runs on the operator's workstation
     state = tmp_path / "pulumi-state"
     state.mkdir()
     on = outputs_on(arm_env, container)

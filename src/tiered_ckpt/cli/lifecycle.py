@@ -1,4 +1,4 @@
-"""Subcommands of the tier lifecycle: retention plan|apply, restore, status, export.
+"""Subcommands of the tier lifecycle: retention plan|apply, archive retention plan|apply, restore, status, export.
 
 Wiring and rendering only: the work is in lifecycle/ (retention.py, restore.py, status.py,
 exporter.py), which renders nothing and which the demo calls directly from Python.
@@ -12,11 +12,13 @@ from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progres
 from tiered_ckpt.config import NodeConfig, parse_duration
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from tiered_ckpt.io import commit as mf
+from tiered_ckpt.lifecycle import archive_retention as ar
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter, Iteration
 from tiered_ckpt.lifecycle.restore import DEFAULT_LOCK_WAIT, HASHES, NO_HASHES, restore
 from tiered_ckpt.lifecycle.status import gather
 from tiered_ckpt.tiers.backends import make_backend
+from tiered_ckpt.tiers.blob import BlobStore
 
 
 def _policy(args: argparse.Namespace, cfg: NodeConfig) -> ret.Policy:
@@ -54,6 +56,36 @@ def cmd_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
     else:
         _print_decisions(res.decisions, f"retention applied to {cfg.model} ({cfg.root})")
         stdout.print(f"done: {', '.join(res.done) or 'nothing'}; freed {human_bytes(res.freed_bytes)}")
+    return EXIT_OK
+
+
+def _policy_flags(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N committed (retention.keep_last)")
+    q.add_argument("--keep-every-steps", type=int, metavar="K", help="keep every checkpoint whose step is a multiple of K")
+    q.add_argument("--keep-newer-than", metavar="DURATION", help="keep checkpoints younger than this, e.g. 6h, 2d")
+    q.add_argument("--min-keep", type=int, metavar="M", help="never touch the newest M committed (default 2)")
+    q.add_argument("--restore-grace", metavar="DURATION",
+                   help="keep a checkpoint restored less than this ago (retention.restore_grace, default 1h; 0 = off)")
+
+
+def cmd_archive_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    policy = _policy(args, cfg)
+    store = BlobStore(cfg.archive)
+    present = ar.on_lustre(cfg, args.lustre_gone)
+    where = f"{cfg.model} in {store.where}"
+    if args.retention_cmd == "plan":
+        ev, _ = ar.evaluate(cfg, store, policy, present)
+        if args.json:
+            print_json({"ok": True, **ar.to_json(ev)})
+        else:
+            _print_decisions(ev.decisions, f"archive retention plan for {where}, nothing changed")
+        return EXIT_OK
+    res = ar.apply(cfg, store, policy, present)
+    if args.json:
+        print_json({"ok": True, **ar.to_json(res)})
+    else:
+        _print_decisions(res.decisions, f"archive retention applied to {where}")
+        stdout.print(f"done: {', '.join(res.done) or 'nothing'}; freed {human_bytes(res.freed_bytes)} in the archive")
     return EXIT_OK
 
 
@@ -143,14 +175,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     for name, text in (("plan", "show every checkpoint's decision and why; changes nothing"),
                        ("apply", "delete/release what the plan allows, under a lock; safe to re-run")):
         q = rs.add_parser(name, parents=[parent], help=text, description=text)
-        q.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N committed (retention.keep_last)")
-        q.add_argument("--keep-every-steps", type=int, metavar="K", help="keep every checkpoint whose step is a multiple of K")
-        q.add_argument("--keep-newer-than", metavar="DURATION", help="keep checkpoints younger than this, e.g. 6h, 2d")
-        q.add_argument("--min-keep", type=int, metavar="M", help="never touch the newest M committed (default 2)")
+        _policy_flags(q)
         q.add_argument("--action", choices=("delete", "release"), help="delete (default) or release (AMLFS: lfs hsm_release)")
-        q.add_argument("--restore-grace", metavar="DURATION",
-                       help="keep a checkpoint restored less than this ago (retention.restore_grace, default 1h; 0 = off)")
         q.set_defaults(handler=cmd_retention)
+
+    p = sub.add_parser("archive", help="the archive (Blob) tier: its own retention")
+    asub = p.add_subparsers(dest="archive_cmd", metavar="retention")
+    asub.required = True
+    p = asub.add_parser("retention", help="plan or apply the keep policy to the checkpoints committed in the archive")
+    rs = p.add_subparsers(dest="retention_cmd", metavar="plan|apply")
+    rs.required = True
+    for name, text in (("plan", "show every archived checkpoint's decision and why; changes nothing"),
+                       ("apply", "delete from Blob what the plan allows (marker first, journaled); safe to re-run")):
+        q = rs.add_parser(name, parents=[parent], help=text, description=text)
+        _policy_flags(q)
+        q.add_argument("--lustre-gone", action="store_true",
+                       help="the file system was torn down: do not look for the checkpoints on Lustre (otherwise the "
+                            "root must be mounted here, and checkpoints still on it are kept)")
+        q.set_defaults(handler=cmd_archive_retention, action=None)
 
     p = sub.add_parser("restore", parents=[parent], help="make a committed checkpoint readable on the accelerator layer",
                        description="Restore NAME or the newest committed checkpoint on either tier, by the cheapest path.")

@@ -46,6 +46,8 @@ from tiered_ckpt.tiers.arm_model import (
     IMPORT_BUSY,
     IMPORT_COMPLETED,
     IMPORT_TERMINAL,
+    PROVISIONING_BUSY,
+    PROVISIONING_FAILED,
     AmlfsTarget,
     ArchiveProgress,
     AutoExportStatus,
@@ -149,19 +151,50 @@ class AmlfsJobs:
         return autoexport_status_of(job)
 
     def _set_admin_status(self, value: str) -> None:
+        """PATCH adminStatus without polling the long-running operation.
+
+        ARM answers 202 with an Azure-AsyncOperation URL under
+        /subscriptions/{sub}/providers/Microsoft.StorageCache/locations/{loc}/ascOperations/{id}
+        (REST spec example autoExportJobs_Update.json). A role assigned at the file system (the
+        node's) cannot read that subscription-scoped URL, so the SDK's poller would fail with 403
+        after the change was accepted. The job's own GET (allowed at the file system's scope)
+        reports the outcome instead: `_await_update` reads its provisioningState.
+        """
         from azure.mgmt.storagecache.models import AutoExportJobUpdate, AutoExportJobUpdateProperties
 
         t = self.target
         body = AutoExportJobUpdate(properties=AutoExportJobUpdateProperties(admin_status=value))
         verb = "disable" if value == ADMIN_DISABLE else "enable"
+        self._call(
+            f"{verb} auto-export job {t.autoexport_job}",
+            t.autoexport_id,
+            lambda: self.client.auto_export_jobs.begin_update(
+                t.resource_group, t.filesystem, t.autoexport_job, body, polling=False
+            ),
+        )
+        self._await_update(verb, value)
 
-        def patch() -> None:
-            poller = self.client.auto_export_jobs.begin_update(
-                t.resource_group, t.filesystem, t.autoexport_job, body, polling_interval=self.poll_interval
-            )
-            poller.result(timeout=self.timeout)
-
-        self._call(f"{verb} auto-export job {t.autoexport_job}", t.autoexport_id, patch)
+    def _await_update(self, verb: str, value: str) -> AutoExportStatus:
+        """GET the job until its update has ended (provisioningState leaves Updating/Creating)."""
+        t = self.target
+        deadline = time.monotonic() + self.timeout
+        while True:
+            st = self.autoexport_status()
+            if st.provisioning_state in PROVISIONING_FAILED:
+                raise UnavailableError(
+                    f"auto-export job {t.autoexport_job} on {t.filesystem}: the request to {verb} it ended "
+                    f"{st.provisioning_state} (admin status {st.admin_status or 'unknown'})"
+                    f"{': ' + st.status_message if st.status_message else ''}"
+                )
+            if st.provisioning_state not in PROVISIONING_BUSY and st.admin_status == value:
+                return st
+            if time.monotonic() >= deadline:
+                raise UnavailableError(
+                    f"auto-export job {t.autoexport_job} on {t.filesystem}: asked to {verb} it, still provisioning "
+                    f"state {st.provisioning_state or 'unknown'} with admin status {st.admin_status or 'unknown'} "
+                    f"after {self.timeout:.0f} s"
+                )
+            self._sleep(self.poll_interval)
 
     def disable_autoexport(self, timeout: float | None = None) -> AutoExportStatus:
         """PATCH adminStatus Disable, then wait until the service reports state Disabled."""
@@ -313,13 +346,15 @@ class AmlfsJobs:
             ),
         )
 
-        def create() -> Any:
-            poller = self.client.import_jobs.begin_create_or_update(
-                t.resource_group, t.filesystem, name, job, polling_interval=self.poll_interval
-            )
-            return poller.result(timeout=self.timeout)
-
-        created = self._call(f"create import job {name}", rid, create)
+        # No LRO polling (see _set_admin_status): the PUT's 201 body is the job, and its own GET
+        # (importJobs/read at the file system's scope) follows it to a terminal state.
+        created = self._call(
+            f"create import job {name}",
+            rid,
+            lambda: self.client.import_jobs.begin_create_or_update(
+                t.resource_group, t.filesystem, name, job, polling=False
+            ).result(),
+        )
         result = import_result_of(created, name)
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit

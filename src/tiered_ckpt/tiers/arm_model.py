@@ -51,6 +51,12 @@ AUTOEXPORT_STOP_FAILED = ("DisableFailed", "Failed")
 ADMIN_ENABLE = "Enable"
 ADMIN_DISABLE = "Disable"
 
+# properties.provisioningState of an auto-export or import job (AutoExportJobProvisioningStateType,
+# ImportJobProvisioningStateType: Succeeded, Failed, Creating, Deleting, Updating, Canceled). A
+# PATCH/PUT is still being applied while BUSY; it ended badly in FAILED.
+PROVISIONING_BUSY = ("Creating", "Updating", "Deleting")
+PROVISIONING_FAILED = ("Failed", "Canceled")
+
 
 # ---------------------------------------------------------------------------------------------
 # The target and the records

@@ -6,6 +6,7 @@ an unreachable archive must end in one clear message, never a hang or a tracebac
 """
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -234,6 +235,54 @@ class BlobStore:
                 return None
 
         return self.retry(f"reading {self.name(rel)}", go)
+
+    def get_with_etag(self, rel: str) -> tuple[bytes, str] | None:
+        """(content, ETag) of a blob, or None if it does not exist."""
+        def go() -> tuple[bytes, str] | None:
+            try:
+                d = self.container.download_blob(self.name(rel), max_concurrency=1)
+                return d.readall(), str(d.properties.etag)
+            except ResourceNotFoundError as e:
+                if "ContainerNotFound" in str(getattr(e, "error_code", "") or ""):
+                    raise
+                return None
+
+        return self.retry(f"reading {self.name(rel)}", go)
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        name = self.name(rel)
+        self.retry(f"writing {name}", lambda: self.container.upload_blob(name, data, overwrite=True))
+
+    def delete(self, rel: str, etag: str | None = None) -> str:
+        """Delete one blob; with `etag`, only if it is still that version (If-Match).
+
+        "deleted", "gone" (it did not exist) or "changed" (a newer version than `etag` is there:
+        nothing was deleted; the caller decided on bytes that are no longer current).
+        """
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceModifiedError
+
+        name = self.name(rel)
+
+        def go() -> str:
+            try:
+                if etag is None:
+                    self.container.delete_blob(name)
+                else:
+                    self.container.delete_blob(name, etag=etag, match_condition=MatchConditions.IfNotModified)
+                return "deleted"
+            except ResourceNotFoundError:
+                return "gone"
+            except ResourceModifiedError:
+                return "changed"
+
+        return self.retry(f"deleting {name}", go)
+
+    def at(self, prefix: str) -> BlobStore:
+        """The same container and clients, rooted at another blob prefix."""
+        other = copy.copy(self)
+        other.prefix = prefix.strip("/")
+        return other
 
     # -- transfer --------------------------------------------------------------------------
     def upload_file(self, path: str, rel: str, metadata: dict[str, str] | None = None,
