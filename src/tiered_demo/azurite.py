@@ -78,7 +78,9 @@ class Azurite:
             log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(
                 [binary, "--blobHost", self.host, "--blobPort", str(self.port), "--location", self.location,
-                 "--skipApiVersionCheck", "--loose", "--silent"],
+                 "--skipApiVersionCheck", "--loose", "--silent",
+                 # Local mode stays local: Azurite otherwise sends usage telemetry to Microsoft.
+                 "--disableTelemetry"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )

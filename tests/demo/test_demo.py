@@ -122,3 +122,39 @@ def test_interrupted_demo_cleans_up_and_leaves_no_processes(tmp_path: Path) -> N
     assert "interrupted" in err and "Traceback" not in err
     time.sleep(0.5)
     assert procs_mentioning(str(work / "azurite")) == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not __import__("shutil").which("strace"), reason="strace (Debian) is installed by make test")
+def test_local_mode_connects_to_nothing_but_loopback(tmp_path: Path) -> None:
+    """The "without Azure" mode stays on this machine: every connect() of the demo and of the
+    Azurite it starts (Node.js: telemetry, DNS) goes to 127.0.0.1 / ::1 or a Unix socket."""
+    trace = tmp_path / "connect.trace"
+    r = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect", "-o", str(trace), sys.executable, "-m", "tiered_demo",
+                        "--dir", str(tmp_path / "w"), "--checkpoints", "3", "--size", "2MiB", "--interval", "1s", "--no-png"],
+                       capture_output=True, text=True, timeout=220)
+    assert r.returncode == 0, r.stderr[-2000:]
+    calls = [ln for ln in trace.read_text().splitlines() if "connect(" in ln]
+    inet = [ln for ln in calls if "AF_INET" in ln]
+    assert inet, "the demo made no TCP connection at all: the trace did not capture it"
+    outside = [ln for ln in inet if 'inet_addr("127.0.0.1")' not in ln and 'inet_pton(AF_INET6, "::1"' not in ln
+               and "::ffff:127.0.0.1" not in ln]
+    assert outside == [], "connections that leave the machine:\n" + "\n".join(outside[:10])
+
+
+def test_azurite_is_started_without_telemetry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiered_demo.azurite as az
+
+    seen: list[list[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(argv: list[str], **kw: object) -> object:
+        seen.append(argv)
+        raise Stop
+
+    monkeypatch.setattr(az.subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        az.Azurite(str(tmp_path)).start()
+    assert "--disableTelemetry" in seen[0]
