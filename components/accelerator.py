@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import pulumi
 from pulumi_azure_native import storagecache
 
-from .blob_jobs import WaitForBlobJobs
+from .arm_auth import ArmAuth
+from .blob_jobs import ArmCredentialCheck, WaitForBlobJobs, program_auth
 from .settings import Settings
 
 
@@ -19,6 +20,7 @@ class AcceleratorArgs:
     data_container_id: pulumi.Input[str]
     logging_container_id: pulumi.Input[str]
     grants_ready: pulumi.Resource           # the role-propagation wait of the core storage layer
+    arm_auth: ArmAuth | None = None         # the program's own ARM credential (default: the provider's settings)
 
 
 class Accelerator(pulumi.ComponentResource):
@@ -44,6 +46,11 @@ class Accelerator(pulumi.ComponentResource):
                 mode=squash_mode, squash_uid=65534, squash_gid=65534,
                 no_squash_nid_lists=s.root_squash_trusted_nids or None)
 
+        # The wait below calls ARM itself: prove its credential before the file system exists.
+        auth = args.arm_auth or program_auth()
+        checked = ArmCredentialCheck(f"{name}-arm-credential", auth=auth, subscription_id=args.subscription_id,
+                                     resource_group=args.resource_group_name, opts=pulumi.ResourceOptions(parent=self))
+
         fs = storagecache.AmlFilesystem(
             f"{name}-fs",
             aml_filesystem_name=s.amlfs_name,
@@ -66,13 +73,14 @@ class Accelerator(pulumi.ComponentResource):
                 import_prefix=s.checkpoint_prefix,
             )),
             # Creation takes 10-30 min and deletion 5-20 min; the provider default would give up early.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[args.grants_ready],
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[args.grants_ready, checked],
                                         custom_timeouts=pulumi.CustomTimeouts(create="90m", update="60m", delete="60m")),
         )
 
         # One blob-integration job at a time: wait for the creation-time import before auto-export.
         idle = WaitForBlobJobs(
             f"{name}-blob-jobs-idle",
+            auth=auth,
             subscription_id=args.subscription_id,
             resource_group=args.resource_group_name,
             filesystem=fs.name,

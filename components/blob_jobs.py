@@ -7,8 +7,13 @@ back" path (compute side on again over an existing archive) that import re-creat
 checkpoint as released stubs and can take a long time, so `pulumi up` would fail without this wait.
 The AutoExportJob depends on this resource, so `pulumi up` succeeds without manual retries.
 
-The provider is pickled into the Pulumi state by value (pulumi/pulumi#7755), so everything it uses
-lives on the class (static methods) and Azure SDK imports happen inside `create`.
+It authenticates like the azure-native provider (components/arm_auth.py: stack config, then ARM_*
+variables), not with whatever DefaultAzureCredential finds; and ArmCredentialCheck, created before
+the file system, proves that credential can read file systems in the resource group, so a CI run
+with unusable credentials fails before anything is created instead of after the file system.
+
+The providers are pickled into the Pulumi state by value (pulumi/pulumi#7755), so everything they
+use lives on the classes (static methods) and Azure SDK imports happen inside `create`.
 """
 from __future__ import annotations
 
@@ -21,6 +26,136 @@ import pulumi
 import pulumi.dynamic
 
 from tiered_ckpt.tiers.arm_model import ARCHIVE_BUSY, IMPORT_BUSY
+
+from . import arm_auth
+from .arm_auth import ArmAuth
+
+
+class ArmClientFactory:
+    """What both providers need to reach ARM with the program's credential (arm_auth), on the class
+    so that it travels by value with the pickled providers."""
+
+    MODES = (arm_auth.CLIENT_SECRET, arm_auth.CLIENT_CERTIFICATE, arm_auth.OIDC, arm_auth.MSI, arm_auth.DEFAULT)
+    SCOPE = arm_auth.ARM_SCOPE
+
+    @classmethod
+    def client(cls, props: dict[str, Any]) -> Any:
+        from azure.mgmt.storagecache import StorageCacheManagementClient
+
+        auth = props["auth"]
+        return StorageCacheManagementClient(cls.credential(auth), props["subscription_id"], base_url=auth["arm_endpoint"],
+                                            credential_scopes=[auth["arm_endpoint"] + cls.SCOPE])
+
+    @classmethod
+    def credential(cls, auth: dict[str, Any], fetch: Callable[[str, str], str] | None = None) -> Any:
+        """The azure-identity credential of an ArmAuth's props; `fetch(url, bearer)` gets a GitHub OIDC token."""
+        from azure.identity import (
+            CertificateCredential,
+            ClientAssertionCredential,
+            ClientSecretCredential,
+            DefaultAzureCredential,
+            ManagedIdentityCredential,
+        )
+
+        secret, cert, oidc, msi, _ = cls.MODES
+        mode, authority = auth["mode"], auth["authority"]
+        tenant, client = str(auth.get("tenantId") or ""), str(auth.get("clientId") or "")
+        if mode == secret:
+            return ClientSecretCredential(tenant, client, auth["clientSecret"], authority=authority)
+        if mode == cert:
+            return CertificateCredential(tenant, client, auth["clientCertificatePath"],
+                                         password=auth.get("clientCertificatePassword"), authority=authority)
+        if mode == oidc:
+            return ClientAssertionCredential(tenant, client, cls.assertion(auth, fetch), authority=authority)
+        if mode == msi:
+            return ManagedIdentityCredential(client_id=client) if client else ManagedIdentityCredential()
+        # The provider's default: the Azure CLI login, or whatever DefaultAzureCredential finds.
+        return DefaultAzureCredential(authority=authority, managed_identity_client_id=client or None)
+
+    @classmethod
+    def assertion(cls, auth: dict[str, Any], fetch: Callable[[str, str], str] | None = None) -> Callable[[], str]:
+        """The OIDC token source, asked again for every token (a file is rotated, a GitHub token expires)."""
+        get = fetch or cls.github_oidc
+
+        def token() -> str:
+            if auth.get("oidcToken"):
+                return str(auth["oidcToken"])
+            if auth.get("oidcTokenFilePath"):
+                with open(auth["oidcTokenFilePath"], encoding="utf-8") as f:
+                    return f.read().strip()
+            return get(str(auth["oidcRequestUrl"]), str(auth["oidcRequestToken"]))
+
+        return token
+
+    @staticmethod
+    def github_oidc(url: str, bearer: str) -> str:
+        """A GitHub Actions ID token for Entra ID's audience (docs.github.com, "About security hardening
+        with OpenID Connect": ACTIONS_ID_TOKEN_REQUEST_URL with audience api://AzureADTokenExchange)."""
+        import json
+        import urllib.request
+
+        sep = "&" if "?" in url else "?"
+        req = urllib.request.Request(f"{url}{sep}audience=api://AzureADTokenExchange",
+                                     headers={"Authorization": f"Bearer {bearer}", "Accept": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - GitHub's token endpoint
+            return str(json.load(r)["value"])
+
+
+def auth_input(auth: ArmAuth) -> pulumi.Output[dict[str, Any]]:
+    """The dynamic resources' `auth` input: the whole dict a Pulumi secret when it holds a secret."""
+    props = auth.props()
+    if any(k in props for k in arm_auth.SECRETS):
+        return pulumi.Output.secret(props)
+    return pulumi.Output.from_input(props)
+
+
+def program_auth() -> ArmAuth:
+    """The azure-native provider's settings of this stack (config, then environment), resolved."""
+    import os
+
+    cfg = pulumi.Config("azure-native")
+    return arm_auth.resolve({k: cfg.get(k) for k in arm_auth.ENV}, os.environ)
+
+
+class ArmCredentialCheckProvider(pulumi.dynamic.ResourceProvider):
+    """Lists the resource group's file systems with the program's credential: a failure stops `pulumi up`
+    before the file system (AmlFilesystem depends on this) with a message naming the mode and the fix."""
+
+    @staticmethod
+    def probe_access(client: Any, resource_group: str, describe: str) -> int:
+        try:
+            return len(list(client.aml_filesystems.list_by_resource_group(resource_group)))
+        except Exception as e:  # noqa: BLE001 - any failure here is reported as the credential's
+            first = str(getattr(e, "message", "") or e).splitlines()[0][:300]
+            raise RuntimeError(
+                f"tiered:ArmCredentialCheck: the program's own ARM calls (waiting for AMLFS blob jobs) cannot use "
+                f"credential {describe}: {type(e).__name__}: {first}. Nothing was created after this check. Fix the "
+                "azure-native provider settings (azure-native:clientId/tenantId/clientSecret or useOidc, or ARM_* "
+                "variables, or `az login`) and make sure the identity may read Microsoft.StorageCache/amlFilesystems "
+                f"in resource group {resource_group}; then run `pulumi up` again") from None
+
+    def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
+        n = self.probe_access(ArmClientFactory.client(props), props["resource_group"], props["describe"])
+        return pulumi.dynamic.CreateResult(id_=f"{props['resource_group']}/arm-credential-ok", outs={**props, "filesystems": n})
+
+    def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> pulumi.dynamic.DiffResult:
+        changed = [k for k in ("subscription_id", "resource_group", "describe") if olds.get(k) != news.get(k)]
+        return pulumi.dynamic.DiffResult(changes=bool(changed), replaces=changed, delete_before_replace=True)
+
+    def delete(self, _id: str, _props: dict[str, Any]) -> None:
+        return None
+
+
+class ArmCredentialCheck(pulumi.dynamic.Resource, module="tiered", name="ArmCredentialCheck"):
+    """Completes once the program's credential has read the resource group's file systems."""
+
+    def __init__(self, name: str, *, auth: ArmAuth, subscription_id: pulumi.Input[str], resource_group: pulumi.Input[str],
+                 opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__(
+            ArmCredentialCheckProvider(), name,
+            {"auth": auth_input(auth), "describe": auth.describe(), "subscription_id": subscription_id,
+             "resource_group": resource_group, "filesystems": None},
+            opts)
 
 
 class WaitForBlobJobsProvider(pulumi.dynamic.ResourceProvider):
@@ -82,11 +217,8 @@ class WaitForBlobJobsProvider(pulumi.dynamic.ResourceProvider):
         return None if state is None else str(getattr(state, "value", state))
 
     def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
-        from azure.identity import DefaultAzureCredential
-        from azure.mgmt.storagecache import StorageCacheManagementClient
-
-        # Runs in the dynamic provider host with the operator's Azure login (az CLI, env, managed identity).
-        client = StorageCacheManagementClient(DefaultAzureCredential(), props["subscription_id"])
+        # Runs in the dynamic provider host with the credential the program resolved (arm_auth).
+        client = ArmClientFactory.client(props)
         rg, fs = props["resource_group"], props["filesystem"]
         result = self.wait_idle(self.probe_for(client, rg, fs), float(props["timeout_s"]), float(props["poll_s"]))
         return pulumi.dynamic.CreateResult(id_=f"{rg}/{fs}/blob-jobs-idle", outs={**props, **result})
@@ -106,12 +238,12 @@ class WaitForBlobJobs(pulumi.dynamic.Resource, module="tiered", name="WaitForBlo
 
     import_states: pulumi.Output[list[str]]
 
-    def __init__(self, name: str, *, subscription_id: pulumi.Input[str], resource_group: pulumi.Input[str],
+    def __init__(self, name: str, *, auth: ArmAuth, subscription_id: pulumi.Input[str], resource_group: pulumi.Input[str],
                  filesystem: pulumi.Input[str], filesystem_id: pulumi.Input[str], timeout_s: int, poll_s: int = 30,
                  opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__(
             WaitForBlobJobsProvider(), name,
-            {"subscription_id": subscription_id, "resource_group": resource_group, "filesystem": filesystem,
+            {"auth": auth_input(auth), "subscription_id": subscription_id, "resource_group": resource_group, "filesystem": filesystem,
              "filesystem_id": filesystem_id, "timeout_s": timeout_s, "poll_s": poll_s, "import_states": None},
             opts)
 
@@ -130,4 +262,5 @@ def _pickle_by_value(cls: type) -> None:
             func.__module__ = "__main__"
 
 
-_pickle_by_value(WaitForBlobJobsProvider)
+for _cls in (WaitForBlobJobsProvider, ArmCredentialCheckProvider, ArmClientFactory):
+    _pickle_by_value(_cls)

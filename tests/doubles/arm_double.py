@@ -222,6 +222,7 @@ _ROUTES: list[tuple[str, re.Pattern[str]]] = [
     ("archive", re.compile(_ROOT + r"/archive$", re.I)),
     ("cancelArchive", re.compile(_ROOT + r"/cancelarchive$", re.I)),
     ("fs", re.compile(_ROOT + r"$", re.I)),
+    ("fss", re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourcegroups/(?P<rg>[^/]+)/providers/microsoft\.storagecache/amlfilesystems$", re.I)),
 ]
 
 
@@ -431,6 +432,9 @@ class ArmDouble:
             return self._asyncop(g["op"])
         if base == "fs.get":
             return 200, {}, self._fs_body()
+        if base == "fss.get":     # amlFilesystems_ListByResourceGroup.json
+            here = g["rg"].lower() == self.resource_group.lower()
+            return 200, {}, {"value": [self._fs_body()] if here else []}
         if base == "archive.post":
             return self._start_archive(body)
         if base == "cancelArchive.post":
@@ -763,6 +767,7 @@ def _action(kind: str) -> str:
         "asyncop.get": "Microsoft.StorageCache/locations/ascoperations/read",
         "autoexports.get": f"{base}/autoExportJobs/read",
         "fs.get": f"{base}/read",
+        "fss.get": f"{base}/read",
         "archive.post": f"{base}/archive/action",
         "cancelArchive.post": f"{base}/cancelArchive/action",
         "autoexport.get": f"{base}/autoExportJobs/read",
