@@ -210,3 +210,73 @@ def test_step_only_naming(tmp_path: Path) -> None:
                     config=NodeConfig(root=str(root), model="m", naming="megatron"))
     t.fit(Tiny(), _data())
     assert [c.name for c in mf.scan(root, "m", naming="megatron") if c.committed] == ["iter_0000003"]
+
+
+DDP = r'''
+import json, sys
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+from tiered_ckpt.lightning import TieredCheckpointIO
+
+tmp = sys.argv[1]
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def on_train_start(self):
+        self.start_step = self.trainer.global_step
+
+
+x = torch.randn(24, 4, generator=torch.Generator().manual_seed(1))
+data = DataLoader(TensorDataset(x, x[:, :2] * 0.5), batch_size=4, shuffle=False)
+
+
+def fit(run, epochs, ckpt_path=None):
+    t = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[ModelCheckpoint(dirpath=f"{tmp}/pl-{run}", save_last=True)],
+                   plugins=[TieredCheckpointIO(root=f"{tmp}/lustre-{run}", model="m")])
+    m = Tiny()
+    t.fit(m, data, ckpt_path=ckpt_path)
+    return t, m
+
+
+fit("a", 2)
+t, resumed = fit("a", 3, "last")                 # every rank resumes through the pointer
+_, straight = fit("b", 3)
+with open(f"{tmp}/rank{t.global_rank}.json", "w") as f:
+    json.dump({"start": resumed.start_step, "end": t.global_step,
+               "same": all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(),
+                                                             straight.state_dict().values()))}, f)
+'''
+
+
+def test_ddp_two_gloo_processes_save_once_and_resume(tmp_path: Path) -> None:
+    """Lightning's DDP on the CPU (gloo): rank 0 saves through the plugin, both ranks resume from last."""
+    for run in ("a", "b"):
+        (tmp_path / f"lustre-{run}").mkdir()
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240,
+                       env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks == [{"start": 6, "end": 9, "same": True}] * 2
+    assert [c.name for c in mf.scan(tmp_path / "lustre-a", "m") if c.committed] == [
+        "global_epoch0_step3", "global_epoch1_step6", "global_epoch2_step9"]
+    m = mf.read_marker(tmp_path / "lustre-a" / "m" / "global_epoch1_step6")
+    assert m is not None and m.world_size == 1          # one process (rank 0) wrote the checkpoint
