@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tiered_ckpt.config import NodeConfig
+from tiered_ckpt.config import load as load_config
 from tiered_ckpt.dcp import TieredReader, TieredWriter
 from tiered_ckpt.errors import UserError
 from tiered_ckpt.naming import CheckpointId, make_id, require_number, scheme
@@ -161,13 +162,13 @@ class TieredCheckpointIO(CheckpointIO):
     def __init__(self, root: str | os.PathLike[str] | None = None, model: str | None = None, *,
                  config: NodeConfig | None = None) -> None:
         super().__init__()
-        if config is None and (root is None or model is None):
-            from tiered_ckpt import config as config_mod
-
-            config = config_mod.load()
-        self.root = Path(root if root is not None else config.root)  # type: ignore[union-attr]
-        self.model = model if model is not None else config.model  # type: ignore[union-attr]
-        self.naming = config.naming if config is not None else NodeConfig.naming
+        if config is None:
+            # root and model given: the default naming, as TieredWriter(root, model) has;
+            # otherwise the node config file (default /etc/tiered-ckpt/config.yaml) says it all.
+            config = NodeConfig() if root is not None and model is not None else load_config()
+        self.root = Path(root if root is not None else config.root)
+        self.model = model if model is not None else config.model
+        self.naming = config.naming
         scheme(self.naming)
         # Names this plugin committed in this process: a second save of one of them is an alias.
         self._committed: set[str] = set()

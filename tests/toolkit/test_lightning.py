@@ -212,6 +212,18 @@ def test_step_only_naming(tmp_path: Path) -> None:
     assert [c.name for c in mf.scan(root, "m", naming="megatron") if c.committed] == ["iter_0000003"]
 
 
+def test_without_arguments_the_node_config_names_root_model_and_naming(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = tmp_path / "config.yaml"
+    conf.write_text(f"root: {tmp_path}\nmodel: llama\nnaming: torchtitan\nbackend: local\n")
+    monkeypatch.setenv("TIERED_CKPT_CONFIG", str(conf))
+    io = TieredCheckpointIO()
+    assert (io.root, io.model, io.naming) == (tmp_path, "llama", "torchtitan")
+    assert io.checkpoint_dir(io.checkpoint_id({"epoch": 2, "global_step": 40})) == tmp_path / "llama" / "step-40"
+    with pytest.raises(UserError, match="global_step"):
+        io.checkpoint_id({"epoch": 2})
+
+
 DDP = r'''
 import json, sys
 import torch
