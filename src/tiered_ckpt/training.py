@@ -148,6 +148,8 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     (rank 0 picks it; every rank loads that one). Returns its epoch, step and this rank's extras.
     """
     cfg = _cfg(config, root, model_name)
+    if epoch is not None and step is None and name is None:
+        raise UserError("load_training: pass step= with epoch= (or name=, or neither for the newest checkpoint)")
     if name is None and step is None:
         name = _pick(cfg, None)
     reader = TieredReader(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg,
