@@ -37,7 +37,7 @@ model = {f"layer{i}": {"w": torch.randn(64, 96 + 8 * i, generator=g), "b": torch
          for i in range(6)}
 model["meta"] = {"lr": 0.5, "name": "tiny"}
 def state():
-    return {"model": model, "mine": torch.full((1000,), rank, dtype=torch.int32), "step": 5 + rank}
+    return {"model": model, "mine": torch.full((250_000,), rank, dtype=torch.int32), "step": 5 + rank}
 def check(got):
     return bool(all(torch.equal(got["model"][k]["w"], v["w"]) and torch.equal(got["model"][k]["b"], v["b"])
                     and got["model"][k]["b"].dtype == torch.float16 for k, v in model.items() if k != "meta")
@@ -50,6 +50,11 @@ if mode == "ok":
     into = {"model": {k: {"w": torch.zeros_like(v["w"])} for k, v in model.items() if k != "meta"}}
     got = tc.load(config=cfg, into=into)
     out["into"] = bool(got["model"]["layer3"]["w"] is into["model"]["layer3"]["w"] and check(got))
+    read = []
+    tc.load(config=cfg, progress=read.append)
+    out["read"] = sum(read)
+    tc.async_save(state(), epoch=0, step=4, config=cfg, replicated=["model"]).wait(120)
+    out["async"] = check(tc.load("global_epoch0_step4", config=cfg))
 elif mode == "differ":
     if rank == 1:
         model["layer2"]["w"][3, 4] += 1.0      # one element differs: the "replicas" are not
@@ -128,15 +133,18 @@ def _shards(m: mf.Manifest) -> dict[int, int]:
 @needs_torch
 def test_two_gloo_ranks_write_the_replicated_model_once_and_both_load_it(root: Path, tmp_path: Path) -> None:
     outs = _gloo("ok", root, tmp_path)
-    assert all(o["ok"] and o["into"] for o in outs), outs
+    assert all(o["ok"] and o["into"] and o["async"] for o in outs), outs
     d = root / "m" / "global_epoch0_step1"
     m = mf.read_marker(d)
     assert m is not None and verify(d, check_hash=True).ok
     model_bytes = sum(64 * (96 + 8 * i) * 4 + 17 * 2 for i in range(6))
     per_rank = _shards(m)
-    # Once in all (plus each rank's own 4000 bytes), and spread: each rank writes about half.
-    assert sum(per_rank.values()) == model_bytes + 2 * 4000, per_rank
-    assert all(0.35 * model_bytes < n < 0.65 * model_bytes + 4000 for n in per_rank.values()), per_rank
+    # Once in all (plus each rank's own 1 MB), and spread: each rank writes about half.
+    assert sum(per_rank.values()) == model_bytes + 2 * 1_000_000, per_rank
+    assert all(0.35 * model_bytes < n - 1_000_000 < 0.65 * model_bytes for n in per_rank.values()), per_rank
+    # A rank reads its own files and, of the other's, only the model's share (not its 1 MB of own data).
+    for r, o in enumerate(outs):
+        assert per_rank[r] <= o["read"] < per_rank[r] + 0.2 * per_rank[1 - r], (o["read"], per_rank)
     # A rank's load outside the job (no process group) returns the whole model too.
     for r in (0, 1):
         got = tc.load(root=root, model="m", config=NodeConfig(root=str(root), model="m"), rank=r)
