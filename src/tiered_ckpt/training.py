@@ -27,7 +27,9 @@ imported here and in tiered_ckpt.dcp only.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,8 +74,20 @@ def _cfg(config: config_mod.NodeConfig | None, root: str | Path | None,
     return cfg.with_overrides(root=str(root) if root is not None else None, model=model_name)
 
 
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: here that is documented intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
+    if _initialised():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
@@ -110,7 +124,8 @@ def save_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": dict(extra) if extra is not None else None}, buf)
     state[_PER_RANK.format(rank=rank)] = buf.getvalue()
-    dcp.save(state, storage_writer=writer)
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=writer, no_dist=not _initialised())
     return TrainingState(writer.cid.name, str(writer.path), writer.cid.epoch, writer.cid.step)
 
 
@@ -155,17 +170,18 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     reader = TieredReader(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg,
                           verify_hash=verify_hash)
     state = _states(model, optimizer)
-    keys = set(reader.read_metadata().state_dict_metadata)
+    # Which entries the checkpoint holds (DCP's metadata; read without hashing: dcp.load verifies).
+    keys = set(TieredReader(cfg.root, cfg.model, name=reader.cid.name, config=cfg).read_metadata().state_dict_metadata)
     rank, _ = _rank_world()
-    own = next((_PER_RANK.format(rank=r) for r in (rank, 0) if any(
-        k == _PER_RANK.format(rank=r) for k in keys)), None)
+    own = next((k for k in (_PER_RANK.format(rank=rank), _PER_RANK.format(rank=0)) if k in keys), None)
     if own is not None:
         state[own] = b""
     missing = [k for k in state if k != own and not any(s == k or s.startswith(k + ".") for s in keys)]
     if missing:
         raise UserError(f"{reader.path} holds no {' or '.join(missing)} state (it was not written by save_training "
                         f"with {'an optimizer' if OPTIM in missing else 'a model'}); load it with dcp.load instead")
-    dcp.load(state, storage_reader=reader)
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=reader, no_dist=not _initialised())
     if optimizer is None:
         set_model_state_dict(model, state[MODEL])
     else:
