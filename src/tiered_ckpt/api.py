@@ -216,7 +216,8 @@ def load(name: str | None = None, *, root: str | Path | None = None, model: str 
 
     Returns the state as saved: a flat dict of buffers, or the nested structure (dict, OrderedDict,
     list and tuple each come back as themselves; scalars as saved). `into` mirrors that structure
-    (all of it or a part; a None leaf is allocated) and is filled in place.
+    (all of it or a part; a None leaf is allocated) and is filled in place. Entries saved with
+    replicated= come back on every rank (read from the files of the rank that wrote them).
 
     Sizes are always checked; content hashes when verify_hash=True. Of `options`, threads,
     block_size and direct apply (the others are about saving).
