@@ -16,7 +16,7 @@ precedence and documents every field):
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,8 @@ def _require_options(options: Any) -> IoOptions:
 def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, name: str | None,
            root: str | Path | None, model: str | None, config: config_mod.NodeConfig | None,
            rank: int | None, world_size: int | None, group: Any, save_id: str | None, options: IoOptions,
-           pool_kind: str, progress: Callable[[int], None] | None) -> writer.Save:
+           pool_kind: str, progress: Callable[[int], None] | None,
+           replicated: Collection[str] | None = None) -> writer.Save:
     options = _require_options(options)
     comm = detect(rank, world_size, group, timeout=options.barrier_timeout)
     made: dict[str, Any] = {}
@@ -96,12 +97,19 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         cfg = made["cfg"] = _cfg(config, root, model)
         cid = made["cid"] = _cid(name, epoch, step, cfg.naming)
         opts = options.resolve(cfg.io)
-        flat, structure = flatten_state(state)
+        rep_keys = _require_replicated(replicated, state)
+        split = bool(rep_keys) and comm.world_size > 1
+        flat, structure = flatten_state(state, tree=split)
         sources = to_sources(flat)
+        record = None
+        if split:
+            assert structure is not None
+            sources, structure, record = writer.split_replicated(sources, structure, rep_keys, comm.rank,
+                                                                 comm.world_size)
         pool = staging.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
         s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
                                        overwrite_incomplete=options.overwrite_incomplete, save_id=save_id,
-                                       progress=progress, structure=structure,
+                                       progress=progress, structure=structure, replicated=record,
                                        name_check=reuse.checks_for(cfg.root, cfg.model, cid.name, cfg.archive))
         return s.prepare_local()
 
@@ -122,10 +130,27 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
     return s
 
 
+def _require_replicated(replicated: Any, state: Any) -> list[str]:
+    if replicated is None:
+        return []
+    if isinstance(replicated, (str, bytes)) or not isinstance(replicated, Collection) \
+            or not all(isinstance(k, str) for k in replicated):
+        raise UserError(f"replicated={str(replicated)[:80]!r}: pass a list of the state's top-level keys whose "
+                        "data is the same on every rank, e.g. replicated=['model']")
+    keys = list(dict.fromkeys(replicated))
+    if isinstance(state, Mapping):
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise UserError(f"replicated={missing!r}: not a top-level key of the state (it has "
+                            f"{[str(k) for k in list(state)[:10]]})")
+    return keys
+
+
 def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None = None, name: str | None = None,
          root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
          rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
-         options: IoOptions = _DEFAULT, progress: Callable[[int], None] | None = None) -> SaveResult:
+         options: IoOptions = _DEFAULT, progress: Callable[[int], None] | None = None,
+         replicated: Collection[str] | None = None) -> SaveResult:
     """Write `state` as checkpoint global_epoch{E}_step{S} (or the model's `naming:` scheme, e.g.
     step-{N} from step= alone); returns once committed.
 
@@ -136,10 +161,15 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
 
     Adds at most io.sync_buffer_bytes (or options.buffer_bytes) of memory, whatever the
     checkpoint's size. `progress` is called with the bytes written since its last call.
+
+    replicated=["model"]: top-level keys whose data is the same on every rank (data-parallel
+    replicas). With several ranks their buffers are written once, spread over the ranks, and
+    every rank's load() returns them. Each rank hashes them first; if they differ between ranks
+    the save fails with an error naming the entry and nothing is committed.
     """
     s = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
                world_size=world_size, group=group, save_id=save_id, options=options, pool_kind="sync",
-               progress=progress)
+               progress=progress, replicated=replicated)
     try:
         s.produce()
     except BaseException as e:   # e.g. KeyboardInterrupt: the other ranks still learn of it
@@ -156,18 +186,18 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
                root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
                rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
                options: IoOptions = _DEFAULT, zero_copy: bool = False,
-               progress: Callable[[int], None] | None = None) -> SaveHandle:
+               progress: Callable[[int], None] | None = None, replicated: Collection[str] | None = None) -> SaveHandle:
     """Start a save; returns once the buffers are snapshotted into the staging area.
 
     A checkpoint larger than the staging area (io.staging_bytes, or options.staging_bytes)
     streams through it: the call returns once the remainder fits. With zero_copy=True nothing is
     snapshotted and the call returns at once (the save streams through the sync buffer); the
     caller must not touch its buffers until wait() returns (a size change is detected and fails
-    the save; nothing is committed).
+    the save; nothing is committed). replicated= as for save() (hashed before the call returns).
     """
     s = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
                world_size=world_size, group=group, save_id=save_id, options=options,
-               pool_kind="sync" if zero_copy else "staging", progress=progress)
+               pool_kind="sync" if zero_copy else "staging", progress=progress, replicated=replicated)
     return SaveHandle(writer.run_async(s, zero_copy), s.cid.name)
 
 
@@ -186,7 +216,8 @@ def load(name: str | None = None, *, root: str | Path | None = None, model: str 
 
     Returns the state as saved: a flat dict of buffers, or the nested structure (dict, OrderedDict,
     list and tuple each come back as themselves; scalars as saved). `into` mirrors that structure
-    (all of it or a part; a None leaf is allocated) and is filled in place.
+    (all of it or a part; a None leaf is allocated) and is filled in place. Entries saved with
+    replicated= come back on every rank (read from the files of the rank that wrote them).
 
     Sizes are always checked; content hashes when verify_hash=True. Of `options`, threads,
     block_size and direct apply (the others are about saving).

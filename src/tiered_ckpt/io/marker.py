@@ -253,7 +253,7 @@ def _check_index(index: Any, files: list[FileEntry], world_size: int) -> None:
         if rk not in ranks:
             raise InvalidMarker(f"index.structure has key {_show(rk)}, not a rank of index.ranks")
         try:
-            check_tree(tree, f"index.structure of rank {rk}", ranks[rk])
+            check_tree(tree, f"index.structure of rank {rk}", ranks[rk], rank=int(rk), ranks=ranks)
         except ValueError as e:
             raise InvalidMarker(str(e)) from None
 

@@ -21,7 +21,7 @@ from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe, nested
 from tiered_ckpt.io.hashing import new_hasher
-from tiered_ckpt.io.pools import pool
+from tiered_ckpt.io.pools import ALIGN, pool
 from tiered_ckpt.io.sources import allocate, writable_view
 
 # (file offset, nbytes, destination view) pieces of one file
@@ -100,6 +100,21 @@ def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8,
     return sorted(problems)
 
 
+def _spans(size: int, pieces: Pieces, whole: bool, block: int) -> list[tuple[int, int]]:
+    """The byte ranges of a file to read: all of it when hashing (or nothing is wanted), else the
+    pieces' ranges, merged across gaps under a block and started on a 4 KiB boundary (O_DIRECT)."""
+    if whole or not pieces:
+        return [(0, size)]
+    out: list[tuple[int, int]] = []
+    for off, n, _ in sorted(pieces, key=lambda p: p[0]):
+        a = off - off % ALIGN
+        if out and a <= out[-1][1] + block:
+            out[-1] = (out[-1][0], max(out[-1][1], off + n))
+        else:
+            out.append((a, off + n))
+    return out
+
+
 def _read_one(ckpt_dir: Path, e: mf.FileEntry, view: memoryview, direct: bool, check_hash: bool, pieces: Pieces,
               progress: Callable[[int], None] | None) -> str | None:
     path = ckpt_dir / e.path
@@ -107,26 +122,29 @@ def _read_one(ckpt_dir: Path, e: mf.FileEntry, view: memoryview, direct: bool, c
     try:
         h = new_hasher() if check_hash and e.hash else None
         pieces = sorted(pieces, key=lambda p: p[0])
-        off, pi = 0, 0
-        while off < e.size:
-            n = os.preadv(fd, [view], off)
-            if n <= 0:
-                return f"{path}: ends at {off} bytes, manifest says {e.size}"
-            n = min(n, e.size - off)
-            chunk = view[:n]
-            if h is not None:
-                h.update(chunk)
-            while pi < len(pieces) and pieces[pi][0] + pieces[pi][1] <= off:
-                pi += 1
-            j = pi
-            while j < len(pieces) and pieces[j][0] < off + n:
-                p_off, p_n, dest = pieces[j]
-                a, b = max(p_off, off), min(p_off + p_n, off + n)
-                dest[a - p_off:b - p_off] = chunk[a - off:b - off]
-                j += 1
-            off += n
-            if progress is not None:
-                progress(n)
+        pi = 0
+        for start, end in _spans(e.size, pieces, h is not None, len(view)):
+            off = start
+            while off < end:
+                want = min(len(view), -(-(end - off) // ALIGN) * ALIGN)   # whole 4 KiB units (O_DIRECT)
+                n = os.preadv(fd, [view[:want]], off)
+                if n <= 0:
+                    return f"{path}: ends at {off} bytes, manifest says {e.size}"
+                n = min(n, e.size - off)
+                chunk = view[:n]
+                if h is not None:
+                    h.update(chunk)
+                while pi < len(pieces) and pieces[pi][0] + pieces[pi][1] <= off:
+                    pi += 1
+                j = pi
+                while j < len(pieces) and pieces[j][0] < off + n:
+                    p_off, p_n, dest = pieces[j]
+                    a, b = max(p_off, off), min(p_off + p_n, off + n)
+                    dest[a - p_off:b - p_off] = chunk[a - off:b - off]
+                    j += 1
+                off += n
+                if progress is not None:
+                    progress(n)
     finally:
         os.close(fd)
     if h is not None and h.hexdigest() != e.hash:
@@ -176,7 +194,9 @@ def rank_index(m: mf.Manifest, rank: int) -> dict[str, Any]:
 def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | None = None, check_hash: bool = False,
          threads: int = 8, block_size: int = 16 << 20, direct: bool = True,
          progress: Callable[[int], None] | None = None) -> dict[Any, Any]:
-    """The rank's saved state: a flat dict of buffers, or the nested state as it was saved."""
+    """The rank's saved state: a flat dict of buffers, or the nested state as it was saved.
+
+    Entries saved as replicated (another rank wrote them: rbuf nodes) are read from that rank's files."""
     m = ckpt.manifest
     if m is None:
         why = ckpt.why_not_committed or f"not committed (no valid {mf.MARKER})"
@@ -184,30 +204,35 @@ def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | No
     idx = rank_index(m, rank)
     tree = m.index.get("structure", {}).get(str(rank))
     if tree is None:
-        return _load_flat(ckpt, m, idx, rank, into or {}, check_hash, threads, block_size, direct, progress)
+        unknown = sorted(set(into or {}) - set(idx))
+        if unknown:
+            raise UserError(f"load into: {unknown} not in checkpoint {m.name} (it holds {sorted(idx)[:10]})")
+        flat: dict[nested.BufferKey, Any] = {k: v for k, v in idx.items()}
+        return _load_entries(ckpt, m, flat, rank, into or {}, check_hash, threads, block_size, direct, progress)
     dests = nested.destinations(tree, into, f"checkpoint {m.name}") if into else {}
-    buffers = _load_flat(ckpt, m, idx, rank, dests, check_hash, threads, block_size, direct, progress)
+    entries: dict[nested.BufferKey, Any] = {k: v for k, v in idx.items()}
+    for owner, name in nested.remote_refs(tree):    # the marker's schema checked that they exist
+        entries[(owner, name)] = m.index["ranks"][str(owner)][name]
+    buffers = _load_entries(ckpt, m, entries, rank, dests, check_hash, threads, block_size, direct, progress)
     out = nested.unflatten(tree, buffers)
     assert isinstance(out, dict)    # the top of a saved state is a mapping (api refuses anything else)
     return out
 
 
-def _load_flat(ckpt: mf.CheckpointInfo, m: mf.Manifest, idx: dict[str, Any], rank: int, into: Mapping[str, Any],
-               check_hash: bool, threads: int, block_size: int, direct: bool,
-               progress: Callable[[int], None] | None) -> dict[str, Any]:
-    unknown = sorted(set(into) - set(idx))
-    if unknown:
-        raise UserError(f"load into: {unknown} not in checkpoint {m.name} (it holds {sorted(idx)[:10]})")
-    out: dict[str, Any] = {}
+def _load_entries(ckpt: mf.CheckpointInfo, m: mf.Manifest, entries: Mapping[nested.BufferKey, Any], rank: int,
+                  into: Mapping[nested.BufferKey, Any], check_hash: bool, threads: int, block_size: int, direct: bool,
+                  progress: Callable[[int], None] | None) -> dict[nested.BufferKey, Any]:
+    out: dict[nested.BufferKey, Any] = {}
     pieces: dict[str, Pieces] = {}
-    for name, entry in idx.items():
-        if name in into:
-            view = writable_view(name, into[name])
+    for key, entry in entries.items():
+        name = key if isinstance(key, str) else key[1]
+        if key in into:
+            view = writable_view(name, into[key])
             if view.nbytes != entry["nbytes"]:
                 raise IntegrityError(f"load into {name!r}: buffer has {view.nbytes} bytes, checkpoint {m.name} holds {entry['nbytes']}")
-            out[name] = into[name]
+            out[key] = into[key]
         else:
-            out[name], view = _allocate(m.name, name, entry)
+            out[key], view = _allocate(m.name, name, entry)
         for path, file_off, n, src_off in entry["segments"]:
             pieces.setdefault(path, []).append((file_off, n, view[src_off:src_off + n]))
     problems = mf.size_problems(ckpt.path, m, anchor=ckpt.path)

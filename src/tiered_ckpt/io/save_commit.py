@@ -24,7 +24,7 @@ from typing import Any
 from tiered_ckpt.distributed import ERROR_CLASSES, as_user_error
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import fsafe, nested
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.layout import FAILED, PART, FilePlan, file_owner
 from tiered_ckpt.io.posix import json_at, open_subdir, read_small, write_small
@@ -46,8 +46,12 @@ def valid_marker(dfd: int, cid: CheckpointId) -> mf.Manifest | None:
 
 # -- this rank ---------------------------------------------------------------------------
 def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size: int, files: list[FilePlan],
-               sources: list[Source], entries: list[mf.FileEntry], structure: dict[str, Any] | None = None) -> None:
-    """This rank's part manifest: its files and where every buffer lives in them; fsynced."""
+               sources: list[Source], entries: list[mf.FileEntry], structure: dict[str, Any] | None = None,
+               replicated: dict[str, Any] | None = None) -> None:
+    """This rank's part manifest: its files and where every buffer lives in them; fsynced.
+
+    replicated: buffer name -> {"digest", "kind", "dtype", "shape", "nbytes"} of every buffer the
+    save declared replicated (written or not by this rank): rank 0 compares them at commit."""
     index: dict[str, Any] = {}
     by_source: dict[int, list[list[Any]]] = {}
     for fp in files:
@@ -60,6 +64,8 @@ def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size:
             "checkpoint": cid.name, "files": [e.__dict__ for e in entries], "index": index}
     if structure is not None:      # nested state (io.nested); a flat one's part is unchanged
         part["structure"] = structure
+    if replicated:
+        part["replicated"] = replicated
     write_small(dfd, PART.format(rank=rank, sid=save_id), json.dumps(part, sort_keys=True).encode())
     os.fsync(dfd)
 
@@ -175,6 +181,30 @@ def wait_for_marker(dfd: int, cid: CheckpointId, save_id: str, barrier_timeout: 
 
 
 # -- rank 0 ------------------------------------------------------------------------------------
+def check_replicated(parts: list[dict[str, Any]], cid: CheckpointId) -> None:
+    """Every buffer a rank left to another (an rbuf node) is there, with the same content.
+
+    A rank skips writing a buffer it declared replicated when its owner writes it; if the owner
+    did not write it, or wrote other bytes (the ranks' "replicated" data differs), committing
+    would lose this rank's data: refused, nothing is committed."""
+    for r, p in enumerate(parts):
+        tree = p.get("structure")
+        if tree is None:
+            continue
+        mine = p.get("replicated") or {}
+        for owner, name in nested.remote_refs(tree):
+            theirs = parts[owner].get("replicated") or {} if 0 <= owner < len(parts) else {}
+            if name not in mine or name not in theirs or name not in parts[owner]["index"]:
+                raise UserError(f"{cid.name} not committed: rank {r} left buffer {name!r} to rank {owner}, which did "
+                                "not save it as replicated; every rank must pass the same replicated= keys "
+                                "(with the same structure under them)")
+            if mine[name] != theirs[name]:
+                what = "content" if mine[name].get("digest") != theirs[name].get("digest") else "dtype or shape"
+                raise UserError(f"{cid.name} not committed: {name!r} is declared replicated, but its {what} differs "
+                                f"between rank {r} and rank {owner}; data that differs per rank must not be in "
+                                "replicated= (save it per rank: drop its key from replicated=)")
+
+
 def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: str, world_size: int) -> mf.Manifest:
     """The marker naming every rank's files of this save, once all is checked (rank 0).
 
@@ -204,6 +234,7 @@ def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: 
         h = new_hasher()
         h.update(data)
         files.append(mf.FileEntry(name, len(data), h.hexdigest(), r))   # the bytes just parsed, hashed
+    check_replicated(parts, cid)
     index: dict[str, Any] = {"save_id": save_id, "ranks": {str(r): p["index"] for r, p in enumerate(parts)}}
     structures = {str(r): p["structure"] for r, p in enumerate(parts) if "structure" in p}
     if structures:                 # only for nested state: a flat save's marker is unchanged

@@ -33,7 +33,8 @@ from typing import Any
 from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import EXIT_CONFLICT, ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe, lock, save_commit
+from tiered_ckpt.io import fsafe, lock, nested, save_commit
+from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.layout import FilePlan, file_owner, new_save_id, plan, require_save_id
 from tiered_ckpt.io.options import WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline, Progress
@@ -68,8 +69,11 @@ class Save:
     def __init__(self, root: Path, model: str, cid: CheckpointId, sources: list[Source], comm: Comm,
                  opts: WriteOptions, pool: BlockPool, *, overwrite_incomplete: bool = True,
                  save_id: str | None = None, progress: Progress | None = None,
-                 name_check: Callable[[], None] | None = None, structure: dict[str, Any] | None = None) -> None:
+                 name_check: Callable[[], None] | None = None, structure: dict[str, Any] | None = None,
+                 replicated: dict[str, Any] | None = None) -> None:
         self.structure = structure   # nested state's tree (io.nested), None for a flat mapping
+        # Digests of the buffers declared replicated (save_commit.write_part; checked at commit).
+        self.replicated = replicated
         self.root, self.model, self.cid, self.sources, self.comm, self.opts = Path(root), model, cid, sources, comm, opts
         self.pool, self.overwrite_incomplete, self.progress = pool, overwrite_incomplete, progress
         # Called by rank 0 under the claim, after the local marker check: raises ConflictError if the
@@ -330,7 +334,7 @@ class Save:
     def _write_part(self, entries: list[mf.FileEntry]) -> None:
         assert self.dfd is not None
         save_commit.write_part(self.dfd, self.cid, self.save_id, self.comm.rank, self.comm.world_size, self.files,
-                               self.sources, entries, self.structure)
+                               self.sources, entries, self.structure, self.replicated)
 
     def _note_failure(self, exc: BaseException) -> None:
         """File mode: tell the other ranks (they poll for it) that this rank failed."""
@@ -348,6 +352,38 @@ class Save:
         fsync_parents(self.root, self.mdir)
         self._marker_attempted = True
         mf.write_marker(self.dir, m, dir_fd=self.dfd)
+
+
+def digest(s: Source, chunk: int = 16 << 20) -> str:
+    """Hex xxh3-128 of a source's bytes (in memory directly; device memory or a stream chunk by chunk)."""
+    h = new_hasher()
+    if s.view is not None:
+        h.update(s.view)
+        return h.hexdigest()
+    buf = memoryview(bytearray(min(chunk, max(1, s.nbytes))))
+    for off in range(0, s.nbytes, len(buf)):
+        piece = buf[:min(len(buf), s.nbytes - off)]
+        s.copy_into(off, piece)
+        h.update(piece)
+    return h.hexdigest()
+
+
+def split_replicated(sources: list[Source], structure: dict[str, Any], keys: list[str], rank: int,
+                     world_size: int) -> tuple[list[Source], dict[str, Any], dict[str, Any]]:
+    """(sources this rank writes, its tree with rbuf nodes, the digests of every replicated buffer).
+
+    The buffers under the replicated top-level `keys` are spread over the ranks (nested.assign);
+    each rank writes its share and names the rest by owner. Every replicated buffer is hashed
+    here, on every rank (memory speed): rank 0 compares the digests at commit, so data that
+    differs between ranks is refused, never silently replaced by another rank's.
+    """
+    names = set(nested.under_keys(structure, keys))
+    by_name = {s.name: s for s in sources}
+    owners = nested.assign([(n, by_name[n].nbytes) for n in sorted(names)], world_size)
+    record = {n: {"digest": digest(by_name[n]), "kind": by_name[n].kind, "dtype": by_name[n].dtype,
+                  "shape": by_name[n].shape, "nbytes": by_name[n].nbytes} for n in sorted(names)}
+    mine = [s for s in sources if owners.get(s.name, rank) == rank]
+    return mine, nested.to_remote(structure, owners, rank), record
 
 
 def run_async(save: Save, zero_copy: bool) -> Future[SaveResult]:

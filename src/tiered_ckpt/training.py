@@ -1,0 +1,197 @@
+"""Model + optimizer (+ LR scheduler, + extras) through torch.distributed.checkpoint, in two calls.
+
+    from tiered_ckpt.training import load_training, save_training
+    save_training(model, optim, scheduler=sched, epoch=0, step=12000, extra={"rng": torch.get_rng_state()})
+    ...
+    state = load_training(model, optim, scheduler=sched)     # newest committed checkpoint, in place
+    start_step, rng = state.step + 1, state.extra["rng"]
+
+Model and optimizer state go through DCP's state-dict utilities (`get_state_dict` /
+`set_state_dict` of torch.distributed.checkpoint.state_dict), so a plain, DDP-wrapped, FSDP2 or
+tensor-parallel model is saved as DCP's global state dict: parameters by their fully qualified
+names without wrapper prefixes, optimizer state keyed by those names (step counters and
+param_groups included), DTensors sharded; replicated entries (a DDP model's parameters) are
+written once, by whichever rank DCP's planner picks. It is stored by `TieredWriter` (no rename,
+fsynced, committed by the marker) and loads at another world size (resharding is DCP's).
+
+The scheduler's state and `extra` (anything torch.save takes: ints, RNG state tensors, a data
+loader's position) are per rank: each rank's are saved under their own key, and each rank gets
+its own back; at a larger world size than the save's, a rank without saved extras gets rank 0's.
+
+Why a helper of its own and not `tiered_ckpt.save(model=..., optimizer=...)`: `model=` there
+already names the checkpoint directory (the node config's model), and `tiered_ckpt.save` keeps
+each rank's state as that rank's (no resharding), whereas this saves DCP's global state dict.
+Works with and without an initialised process group (DCP then runs as one process). Torch is
+imported here and in tiered_ckpt.dcp only.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from tiered_ckpt import config as config_mod
+from tiered_ckpt.dcp import TieredReader, TieredWriter
+from tiered_ckpt.errors import IntegrityError, UserError
+from tiered_ckpt.io import commit as mf
+
+__all__ = ["TrainingState", "load_training", "save_training"]
+
+MODEL, OPTIM = "model", "optim"
+# One opaque entry per rank (torch.save bytes: a bytes value is one DCP item, never flattened),
+# so ranks' differing extras (RNG state) never collide under DCP's dedup of equal keys.
+_PER_RANK = "tiered_ckpt.rank{rank}"
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What save_training wrote / load_training restored."""
+
+    name: str            # the checkpoint directory's name, e.g. global_epoch0_step12000
+    path: str
+    epoch: int
+    step: int
+    extra: dict[str, Any] | None = None    # load: this rank's saved extras (None when none were saved)
+
+
+def _cfg(config: config_mod.NodeConfig | None, root: str | Path | None,
+         model_name: str | None) -> config_mod.NodeConfig:
+    cfg = config if config is not None else config_mod.load()
+    return cfg.with_overrides(root=str(root) if root is not None else None, model=model_name)
+
+
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: here that is documented intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _rank_world() -> tuple[int, int]:
+    if _initialised():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"save_training/load_training take a torch.nn.Module first; got {type(model).__name__}")
+    if optimizer is None:
+        return {MODEL: get_model_state_dict(model)}
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"optimizer= must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    msd, osd = get_state_dict(model, optimizer)
+    return {MODEL: msd, OPTIM: osd}
+
+
+def save_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                  scheduler: Any = None, extra: Mapping[str, Any] | None = None,
+                  epoch: int | None = None, step: int | None = None, name: str | None = None,
+                  root: str | Path | None = None, model_name: str | None = None,
+                  config: config_mod.NodeConfig | None = None) -> TrainingState:
+    """Save model, optimizer, scheduler and `extra` as one committed DCP checkpoint (every rank calls it).
+
+    Where: root= and model_name= (the checkpoint directory's model), else the node config's.
+    Which: epoch= and step= (or step= alone for a step-only naming scheme), or name=.
+    Returns once the checkpoint is committed on every rank.
+    """
+    if extra is not None and not isinstance(extra, Mapping):
+        raise UserError(f"extra= must be a mapping (e.g. {{'rng': torch.get_rng_state()}}); got {type(extra).__name__}")
+    cfg = _cfg(config, root, model_name)
+    writer = TieredWriter(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg)
+    state = _states(model, optimizer)
+    rank, _ = _rank_world()
+    buf = io.BytesIO()
+    torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "extra": dict(extra) if extra is not None else None}, buf)
+    state[_PER_RANK.format(rank=rank)] = buf.getvalue()
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=writer, no_dist=not _initialised())
+    return TrainingState(writer.cid.name, str(writer.path), writer.cid.epoch, writer.cid.step)
+
+
+def _pick(cfg: config_mod.NodeConfig, name: str | None) -> str:
+    """The checkpoint to load: `name`, else the newest committed one, chosen once for all ranks."""
+    if name is not None:
+        return name
+    rank, world = _rank_world()
+    picked: list[Any] = [None]
+    if rank == 0:
+        try:
+            mf.require_root(cfg.root)
+            info = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
+            picked[0] = info.name if info is not None else \
+                IntegrityError(f"no committed checkpoint under {Path(cfg.root) / cfg.model} to resume from")
+        except UserError as e:
+            picked[0] = e
+    if world > 1:
+        # Every rank loads the same checkpoint even if one commits while the ranks look (and
+        # every rank fails alike when rank 0 finds none).
+        dist.broadcast_object_list(picked, src=0)
+    if isinstance(picked[0], UserError):
+        raise type(picked[0])(str(picked[0]), exit_code=picked[0].exit_code)
+    assert isinstance(picked[0], str)
+    return picked[0]
+
+
+def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                  scheduler: Any = None, name: str | None = None, epoch: int | None = None, step: int | None = None,
+                  root: str | Path | None = None, model_name: str | None = None,
+                  config: config_mod.NodeConfig | None = None, verify_hash: bool = False) -> TrainingState:
+    """Restore model, optimizer and scheduler in place from a checkpoint save_training wrote.
+
+    Which: name=, or epoch= and step=, else the newest committed checkpoint of the model
+    (rank 0 picks it; every rank loads that one). Returns its epoch, step and this rank's extras.
+    """
+    cfg = _cfg(config, root, model_name)
+    if epoch is not None and step is None and name is None:
+        raise UserError("load_training: pass step= with epoch= (or name=, or neither for the newest checkpoint)")
+    if name is None and step is None:
+        name = _pick(cfg, None)
+    reader = TieredReader(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg,
+                          verify_hash=verify_hash)
+    state = _states(model, optimizer)
+    # Which entries the checkpoint holds (DCP's metadata; read without hashing: dcp.load verifies).
+    keys = set(TieredReader(cfg.root, cfg.model, name=reader.cid.name, config=cfg).read_metadata().state_dict_metadata)
+    rank, _ = _rank_world()
+    own = next((k for k in (_PER_RANK.format(rank=rank), _PER_RANK.format(rank=0)) if k in keys), None)
+    if own is not None:
+        state[own] = b""
+    missing = [k for k in state if k != own and not any(s == k or s.startswith(k + ".") for s in keys)]
+    if missing:
+        raise UserError(f"{reader.path} holds no {' or '.join(missing)} state (it was not written by save_training "
+                        f"with {'an optimizer' if OPTIM in missing else 'a model'}); load it with dcp.load instead")
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=reader, no_dist=not _initialised())
+    if optimizer is None:
+        set_model_state_dict(model, state[MODEL])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+    extras: dict[str, Any] = {}
+    if own is not None:
+        extras = torch.load(io.BytesIO(state[own]), weights_only=False)   # written by save_training, like DCP's own
+    if scheduler is not None:
+        if extras.get("scheduler") is None:
+            raise UserError(f"{reader.path} holds no scheduler state (saved without scheduler=); "
+                            "load without scheduler= or from another checkpoint")
+        scheduler.load_state_dict(extras["scheduler"])
+    return TrainingState(reader.cid.name, str(reader.path), reader.cid.epoch, reader.cid.step, extras.get("extra"))
