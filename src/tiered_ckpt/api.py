@@ -16,12 +16,14 @@ precedence and documents every field):
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from tiered_ckpt import config as config_mod
+from tiered_ckpt import records
 from tiered_ckpt.distributed import detect
 from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
@@ -179,7 +181,17 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
         except BaseException:  # noqa: BLE001 - the original interruption is what the caller sees
             pass
         raise
-    return s.finish()
+    return _recorded(s, s.finish())
+
+
+def _recorded(s: writer.Save, res: SaveResult) -> SaveResult:
+    """Rank 0 leaves the save's record for `tiered-ckpt metrics` (best effort, never fails the save)."""
+    if res.rank == 0:
+        records.record(s.root, s.model, records.SAVE,
+                       {"name": res.name, "bytes": res.bytes, "seconds": res.seconds, "files": res.files,
+                        "world_size": res.world_size},
+                       totals={"saves": 1, "bytes": res.bytes})
+    return res
 
 
 def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None = None, name: str | None = None,
@@ -195,10 +207,16 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
     caller must not touch its buffers until wait() returns (a size change is detected and fails
     the save; nothing is committed). replicated= as for save() (hashed before the call returns).
     """
+    called = time.monotonic()
     s = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
                world_size=world_size, group=group, save_id=save_id, options=options,
                pool_kind="sync" if zero_copy else "staging", progress=progress, replicated=replicated)
-    return SaveHandle(writer.run_async(s, zero_copy), s.cid.name)
+    fut = writer.run_async(s, zero_copy)
+    blocked = time.monotonic() - called
+    if s.comm.rank == 0:
+        records.record(s.root, s.model, records.ASYNC_SAVE, {"name": s.cid.name, "blocked_seconds": blocked})
+    fut.add_done_callback(lambda f: _recorded(s, f.result()) if not f.cancelled() and f.exception() is None else None)
+    return SaveHandle(fut, s.cid.name)
 
 
 def latest(*, root: str | Path | None = None, model: str | None = None,

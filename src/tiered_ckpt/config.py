@@ -100,6 +100,14 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    # node-exporter textfile the retention timer and `tiered-ckpt metrics --textfile` write (None = none)
+    textfile: str | None = None
+    port: int = 9817                  # `tiered-ckpt metrics --serve` listens here
+    addr: str = "127.0.0.1"           # ... on this address (0.0.0.0 to let a Prometheus on another host scrape)
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     root: str = "/lustrefs/checkpoints"
     model: str = "default"
@@ -112,6 +120,7 @@ class NodeConfig:
     archive: ArchiveConfig = field(default_factory=ArchiveConfig)
     amlfs: AmlfsConfig = field(default_factory=AmlfsConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str | None = None         # the file this was loaded from, for messages
 
     def with_overrides(self, **changes: Any) -> NodeConfig:
@@ -308,6 +317,12 @@ def problems_of(cfg: NodeConfig) -> list[str]:
     gbps = cfg.amlfs.provisioned_gbps
     if gbps is not None and gbps <= 0:
         problems.append(f"amlfs.provisioned_gbps: {gbps!r} must be > 0 (GB/s), or leave it out")
+    mc = cfg.metrics
+    if not isinstance(mc.port, int) or isinstance(mc.port, bool) or not 1 <= mc.port <= 65535:
+        problems.append(f"metrics.port: {mc.port!r} must be a TCP port 1-65535 (e.g. 9817)")
+    if mc.textfile is not None and not str(mc.textfile).endswith(".prom"):
+        problems.append(f"metrics.textfile: {mc.textfile!r} must end in .prom (node-exporter's textfile collector "
+                        "reads only *.prom files)")
     r = cfg.retention
     _check_int(r.keep_last, "retention.keep_last", 1, problems)
     _check_int(r.keep_every_steps, "retention.keep_every_steps", 0, problems)
@@ -372,4 +387,6 @@ def dump(cfg: NodeConfig) -> str:
     d.pop("source", None)
     if d.get("naming") == naming.DEFAULT:
         d.pop("naming")           # configs written before `naming:` existed stay byte-identical
+    if cfg.metrics == MetricsConfig():
+        d.pop("metrics")          # likewise before `metrics:`
     return yaml.safe_dump(d, sort_keys=False)

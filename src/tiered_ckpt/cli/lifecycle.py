@@ -89,6 +89,50 @@ def cmd_archive_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
     return EXIT_OK
 
 
+def cmd_metrics(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    from tiered_ckpt.lifecycle import metrics
+
+    backend = make_backend(cfg)
+    textfile = args.textfile or cfg.metrics.textfile
+    if args.serve:
+        import time
+
+        from prometheus_client import start_http_server
+
+        port = args.port if args.port is not None else cfg.metrics.port
+        addr = args.addr or cfg.metrics.addr
+        try:
+            server, _ = start_http_server(port, addr=addr, registry=metrics.registry(cfg, backend))
+        except OSError as e:
+            raise ConfigError(f"metrics --serve: cannot listen on {addr}:{port}: {e.strerror or e}; "
+                              "pick another --port (metrics.port) or stop what uses it") from None
+        stderr.print(f"serving metrics of {cfg.model} on http://{addr}:{server.server_port}/metrics; Ctrl-C to stop")
+        if args.json:
+            print_json({"ok": True, "serving": f"http://{addr}:{server.server_port}/metrics"})
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            server.shutdown()
+        return EXIT_OK
+    if textfile:
+        metrics.write_textfile(cfg, backend, textfile)
+        if args.json:
+            print_json({"ok": True, "textfile": textfile})
+        else:
+            stdout.print(f"wrote {textfile}", highlight=False)
+        return EXIT_OK
+    if args.json:
+        print_json({"ok": True, "model": cfg.model, "samples": metrics.samples(cfg, backend)})
+    else:
+        import sys
+
+        from prometheus_client import generate_latest
+
+        sys.stdout.write(generate_latest(metrics.registry(cfg, backend)).decode())   # exposition format, as is
+    return EXIT_OK
+
+
 def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
     if args.name and args.latest:
         raise ConfigError("give either a checkpoint NAME or --latest, not both")
@@ -203,6 +247,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     p.add_argument("--wait", type=float, metavar="S",
                    help=f"seconds to wait for another process working on the checkpoint (default {DEFAULT_LOCK_WAIT:g})")
     p.set_defaults(handler=cmd_restore)
+
+    p = sub.add_parser("metrics", parents=[parent], help="Prometheus metrics of the model: print, write a textfile, or serve",
+                       description="The model's checkpoint metrics in Prometheus format: printed (default), written "
+                                   "atomically as a node-exporter textfile (--textfile, metrics.textfile), or served "
+                                   "over HTTP (--serve).")
+    p.add_argument("--textfile", metavar="PATH", help="write this .prom file (default: metrics.textfile)")
+    p.add_argument("--serve", action="store_true", help="serve /metrics until Ctrl-C (collected afresh on each scrape)")
+    p.add_argument("--port", type=int, metavar="N", help="port for --serve (default: metrics.port, 9817)")
+    p.add_argument("--addr", metavar="ADDR", help="address for --serve (default: metrics.addr, 127.0.0.1)")
+    p.set_defaults(handler=cmd_metrics)
 
     p = sub.add_parser("status", parents=[parent], help="tiers of each checkpoint, export backlog, export job, capacity")
     p.add_argument("--export-status", metavar="PATH", help="local exporter status file (default: next to the root)")

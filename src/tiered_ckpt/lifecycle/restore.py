@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiered_ckpt import records
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import EXIT_CONFLICT, EXIT_FAILED, ConflictError, IntegrityError, UnavailableError, UserError
 from tiered_ckpt.io import commit as mf
@@ -338,11 +339,20 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
                 res = _from_archive(cfg, backend, found, ckpt_dir, progress, warnings)
             res.seconds = time.monotonic() - t0
             _bookkeeping(cfg, cname, res)
+            _record(cfg, res)
             return res
     except fsafe.UnsafePath as e:
         raise UserError(f"{e.filename}: {e.strerror}; restore never follows links in the checkpoint tree — "
                         "remove it and re-run", exit_code=EXIT_CONFLICT) from None
     raise AssertionError("unreachable")       # for mypy: the with block always returns or raises
+
+
+def _record(cfg: NodeConfig, res: RestoreResult) -> None:
+    """The last restore by path, for `tiered-ckpt metrics` (resident / released / import / download)."""
+    path = res.source if res.source != "archive" else ("import" if cfg.backend == "amlfs" else "download")
+    by = dict((records.read(cfg.root, cfg.model, records.RESTORE) or {}).get("by_path") or {})
+    by[path] = {"name": res.name, "seconds": res.seconds, "bytes": res.bytes}
+    records.record(cfg.root, cfg.model, records.RESTORE, {"by_path": by}, totals={path: 1})
 
 
 def _bookkeeping(cfg: NodeConfig, name: str, res: RestoreResult) -> None:

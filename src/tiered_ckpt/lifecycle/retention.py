@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tiered_ckpt import records
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConflictError
 from tiered_ckpt.io import commit as mf
@@ -251,7 +252,18 @@ def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime |
         if releases:
             outcome.update(_release_all(cfg, backend, ev, releases, res))
         ev.decisions = [outcome.get(d.name, d) for d in ev.decisions]
+        _record(cfg, res)
         return res
+
+
+def _record(cfg: NodeConfig, res: ApplyResult) -> None:
+    """This run's outcome and running totals, for `tiered-ckpt metrics`."""
+    deleted = sum(1 for x in res.done if x.startswith("delete "))
+    released = sum(1 for x in res.done if x.startswith("release "))
+    blocked = sum(1 for d in res.decisions if d.action == BLOCKED)
+    records.record(cfg.root, cfg.model, records.RETENTION,
+                   {"deleted": deleted, "released": released, "blocked": blocked, "freed_bytes": res.freed_bytes},
+                   totals={"deleted": deleted, "released": released, "runs": 1})
 
 
 def _delete_one(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions, d: Decision,
