@@ -115,7 +115,9 @@ class LocalSlurm:
         while time.monotonic() < deadline:
             for p in self.procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{Path(str(p.args[0])).name} exited with {p.returncode}: {self.logs()}")
+                    argv = p.args
+                    name = Path(str(argv[0] if isinstance(argv, list) else argv)).name
+                    raise RuntimeError(f"{name} exited with {p.returncode}: {self.logs()}")
             if ok():
                 return
             time.sleep(0.3)
