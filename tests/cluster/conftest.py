@@ -1,6 +1,7 @@
 """Fixtures of the cluster tests: a real local Slurm (tests/cluster/slurm.py)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
     missing = missing_binaries()
     if missing:
         pytest.skip(f"Slurm/munge not installed ({', '.join(missing)} missing); `make debs` installs slurm-wlm and munge")
+    if os.geteuid() != 0:
+        pytest.skip("the cluster tests start slurmd, which runs as root (slurmd(8)); run them as root")
     cluster = LocalSlurm(Path(tmp_path_factory.mktemp("slurm"))).start()
     try:
         yield cluster
