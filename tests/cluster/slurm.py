@@ -14,10 +14,16 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from components.slurm_conf import SlurmConfInputs, render_slurm_conf, slurmd_args
+from components.slurm_conf import (
+    SlurmConfInputs,
+    render_cgroup_conf,
+    render_gres_conf,
+    render_slurm_conf,
+    slurmd_args,
+)
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo", "srun")
@@ -47,6 +53,9 @@ def _free_ports(n: int) -> list[int]:
 @dataclass
 class LocalSlurm:
     base: Path
+    # production: the ND configuration (cgroup plugins, 8 GPUs per node); slurmctld only, since
+    # this machine has neither GPUs nor a delegated cgroup tree for a slurmd.
+    production: bool = False
     inputs: SlurmConfInputs | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -78,13 +87,20 @@ class LocalSlurm:
         key.chmod(0o400)
         sock = b / "munge" / "munge.sock"
         ctld_port, slurmd_port = _free_ports(2)
+        health = b / "etc" / "health-check"
+        health.write_text(f"#!/bin/sh\ndate +%s >> {self.health_log}\n")
+        health.chmod(0o755)
         self.inputs = SlurmConfInputs(
-            cluster_name="tiertest", controller_host=self.node, controller_addr="127.0.0.1", max_nodes=1,
-            gpus_per_node=0, slurm_user="root", state_dir=str(b / "state"), spool_dir=str(b / "spool"),
+            cluster_name="tiertest", controller_host=self.node, controller_addr="127.0.0.1", max_nodes=2,
+            slurm_user="root", state_dir=str(b / "state"), spool_dir=str(b / "spool"),
             log_dir=str(b / "log"), run_dir=str(b / "run"), ctld_port=ctld_port, slurmd_port=slurmd_port,
-            munge_socket=str(sock), kill_wait_s=30, test_mode=True,
+            munge_socket=str(sock), health_check_program=str(health),
         )
+        if not self.production:
+            self.inputs = replace(self.inputs, gpus_per_node=0, kill_wait_s=30, test_mode=True)
         self.conf.write_text(render_slurm_conf(self.inputs))
+        (b / "etc" / "gres.conf").write_text(render_gres_conf(self.inputs))
+        (b / "etc" / "cgroup.conf").write_text(render_cgroup_conf(self.inputs))
         logs = b / "log"
         try:
             self._spawn([_bin("munged"), "-F", "-f", f"--socket={sock}", f"--key-file={key}",
@@ -94,12 +110,19 @@ class LocalSlurm:
             self._spawn([_bin("slurmctld"), "-D", "-i", "-f", str(self.conf)], logs / "slurmctld.out")
             self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, startup_timeout,
                        "slurmctld did not answer scontrol ping")
+            if self.production:
+                return self
             self._spawn([_bin("slurmd"), "-D", "-f", str(self.conf), *slurmd_args(self.inputs)], logs / "slurmd.out")
             self._wait(self._node_idle, startup_timeout, "the dynamic slurmd did not register as an idle node")
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def health_log(self) -> Path:
+        """One line per run of the HealthCheckProgram."""
+        return self.base / "log" / "health-check.runs"
 
     def _node_idle(self) -> bool:
         r = self.run("sinfo", "-h", "-N", "-o", "%N %T %P", check=False)

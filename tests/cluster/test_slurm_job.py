@@ -227,3 +227,10 @@ def test_requeued_job_restarts_and_resumes_where_it_stopped(harness: Harness) ->
     assert stopped, f"the first run did not stop cleanly on the requeue's SIGTERM:\n{log}"
     assert _steps_in(log, "resumed")[0] == stopped[0], log
     assert "restarts=1" in log, log
+
+
+def test_the_health_check_program_runs_on_the_node(slurm: LocalSlurm) -> None:
+    """slurmd runs the configured HealthCheckProgram (at start, then every HealthCheckInterval): the
+    hook cloud-init's check (Lustre mounted, GPUs present) uses to drain a broken node."""
+    wait_for("a health check run", lambda: slurm.health_log.exists(), 30, slurm.logs)
+    assert slurm.health_log.read_text().strip()
