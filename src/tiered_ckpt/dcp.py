@@ -223,15 +223,18 @@ class TieredWriter(StorageWriter):
         prefix = plan.storage_data
         rank = self.rank if self.rank is not None else prefix.rank if isinstance(prefix, _Prefix) else 0
         fut: Future[list[WriteResult]] = Future()
+        read: list[int] = []
         try:
-            fut.set_result(self._write(plan, planner, rank))
+            fut.set_result(self._write(plan, planner, rank, read))
         except BaseException as e:  # noqa: BLE001 - DCP gathers it and fails every rank
             if self.is_coordinator:
                 self.close()    # DCP never calls finish after a failed write: release the name now
             err = os_error(e, self.path) if isinstance(e, OSError) else e
             fut.set_exception(err.with_traceback(None))  # type: ignore[arg-type]  # torch types it as T
         finally:
-            dcp_stage.notify_written()   # a stager waiting for this rank's bytes may go on
+            # A TieredStager holding this save's staging memory may free it (and a caller waiting
+            # for its tensors to be written may go on): this rank is done reading them.
+            dcp_stage.notify_written(read + dcp_stage.addresses(getattr(planner, "state_dict", None)))
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -355,7 +358,7 @@ class TieredWriter(StorageWriter):
         if stale:
             os.fsync(dfd)
 
-    def _write(self, plan: SavePlan, planner: SavePlanner, rank: int) -> list[WriteResult]:
+    def _write(self, plan: SavePlan, planner: SavePlanner, rank: int, read: list[int]) -> list[WriteResult]:
         """This rank's items through the toolkit's write pipeline (pipeline.py): copy threads fill
         page-aligned pool blocks, one writer thread per file writes them with O_DIRECT and hashes
         them inline (xxh3-128), every file fsynced. Small items share blocks, so they cost a
@@ -374,6 +377,7 @@ class TieredWriter(StorageWriter):
                 metas.append((item.index, None, None))
             else:
                 assert isinstance(data, torch.Tensor)
+                read.append(data.data_ptr())
                 t = data.detach()
                 if not t.is_contiguous():
                     t = t.contiguous()
