@@ -189,24 +189,42 @@ class TieredStager(AsyncStager):
             raise UserError(f"the state to save needs {need} bytes of staging, more than TieredStager(budget_bytes="
                             f"{self.budget}); in process mode (share_memory=True) it must fit: raise budget_bytes, or "
                             "use AsyncCheckpointerType.THREAD (it waits for the rest to be written)")
-        total = sum(sizes[i] for i in staged_ids)
-        chunk, off = self._allocate(total) if total else (None, 0)
+        # One extent for the state; in shared memory each DTensor's shard gets its own (torch
+        # 2.13 crashes pickling a DTensor whose local tensor starts inside a shared storage).
+        groups: list[list[int]] = [[]]
+        for i in staged_ids:
+            if self.share and _is_dtensor(by_id[i]) and sizes[i]:
+                groups.append([i])
+            else:
+                groups[0].append(i)
+        extents: list[tuple[_Chunk | None, int, int]] = []
         memo: dict[int, Any] = {}
         regions: list[tuple[int, int]] = []
-        pos = off
         cuda = False
-        for i in staged_ids:
-            t = by_id[i]
-            src = _local(t)
-            n = src.numel() * src.element_size()
-            assert chunk is not None
-            dst = chunk.base[pos:pos + n].view(src.dtype).view(src.shape) if n else torch.empty(src.shape, dtype=src.dtype)
-            cuda = cuda or src.device.type == "cuda"
-            dst.copy_(src.detach(), non_blocking=self.pin and src.device.type == "cuda")
-            memo[i] = _rewrap(t, dst)
-            if n:
-                regions.append((chunk.address + pos, chunk.address + pos + n))
-            pos += sizes[i]
+        try:
+            for group in sorted(groups, key=lambda g: -sum(sizes[i] for i in g)):
+                total = sum(sizes[i] for i in group)
+                chunk, off = self._allocate(total) if total else (None, 0)
+                extents.append((chunk, off, total))
+                pos = off
+                for i in group:
+                    t = by_id[i]
+                    src = _local(t)
+                    n = src.numel() * src.element_size()
+                    if n:
+                        assert chunk is not None
+                        dst = chunk.base[pos:pos + n].view(src.dtype).view(src.shape)
+                        regions.append((chunk.address + pos, chunk.address + pos + n))
+                    else:
+                        dst = torch.empty(src.shape, dtype=src.dtype)
+                    cuda = cuda or src.device.type == "cuda"
+                    dst.copy_(src.detach(), non_blocking=self.pin and src.device.type == "cuda")
+                    memo[i] = _rewrap(t, dst)
+                    pos += sizes[i]
+        except BaseException:
+            for chunk, off, total in extents:
+                self._free(chunk, off, total, [False])
+            raise
         for i in live_ids:
             t = by_id[i]
             loc = _local(t)
@@ -215,8 +233,8 @@ class TieredStager(AsyncStager):
         if cuda:
             torch.cuda.synchronize()      # the pinned copies are complete before the caller changes its tensors
         staged = copy.deepcopy(state_dict, memo)
-        if chunk is not None or live_ids:
-            ticket = self._ticket(chunk, off, total, regions, bool(live_ids), [memo[i] for i in staged_ids])
+        if regions:
+            ticket = self._ticket(extents, regions, bool(live_ids), [memo[i] for i in staged_ids])
             if ticket.live:
                 self._waiting.append(ticket)
         return staged
@@ -280,12 +298,17 @@ class TieredStager(AsyncStager):
             chunk.give(off, n)
             self._cond.notify_all()
 
-    def _ticket(self, chunk: _Chunk | None, off: int, n: int, regions: list[tuple[int, int]], live: bool,
+    def _ticket(self, extents: list[tuple[_Chunk | None, int, int]], regions: list[tuple[int, int]], live: bool,
                 staged: list[Any]) -> _Ticket:
         state = [False]
 
         def release() -> None:
-            self._free(chunk, off, n, state)
+            with self._cond:
+                if state[0]:
+                    return
+                state[0] = True
+            for chunk, off, n in extents:
+                self._free(chunk, off, n, [False])
 
         ticket = _Ticket(regions, release, live)
         with _tickets_lock:
@@ -304,6 +327,12 @@ class TieredStager(AsyncStager):
         for obj in staged:
             weakref.finalize(obj, gone)
         return ticket
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
