@@ -123,13 +123,11 @@ def test_async_save_loads_bit_exact_though_the_state_changed_after_staging(root:
         assert 0 < int(o["peak"]) <= int(o["budget"]) and int(o["pool"]) <= int(o["budget"]), o
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_state_larger_than_the_budget_saves_correctly_and_the_pool_stays_within_it(root: Path, tmp_path: Path,
-                                                                                     world: int) -> None:
-    outs = _run("budget", root, tmp_path, world)
+def test_a_state_larger_than_the_budget_saves_correctly_and_the_pool_stays_within_it(root: Path, tmp_path: Path) -> None:
+    outs = _run("budget", root, tmp_path, 1)
     assert all(o["ok"] for o in outs), outs
     assert _committed(root) == ["global_epoch0_step1", "global_epoch0_step2"]
-    for o in outs:   # the state is ~100 KiB of tensors; the pool never held more than 64 KiB
+    for o in outs:   # the state is ~80 KiB of tensors; the pool never held more than 64 KiB
         assert 0 < int(o["peak"]) <= int(o["budget"]) == 64 << 10, o
 
 
