@@ -8,16 +8,37 @@
 DCP's own FileSystemWriter commits by writing ``.metadata.tmp`` and renaming it; AMLFS
 auto-export never propagates a rename, so the archive would never see the metadata. Here
 nothing is renamed: every rank writes its items (tensor bytes raw, non-tensor objects as the
-bytes DCP serialized) into one shard file under its final name (``shard-r00000-000.<sid>.bin``,
-the save id in every name, as the native writer does), hashing inline (xxh3-128) and fsyncing;
-the coordinator then writes DCP's pickled Metadata as ``dcp.<sid>.metadata`` (final name,
-fsynced; not a dot-name, which the exporter skips) and last ``COMMITTED.json`` listing every
-file with its size and hash. The coordinator holds the checkpoint name's lock from planning to
-the marker and refuses a name that is already committed.
+bytes DCP serialized) into a few shard files under their final names
+(``shard-r00000-000.<id>.bin``: rank, file, and an id the rank draws for this save), through
+the toolkit's write pipeline (io/pipeline.py: page-aligned pool blocks, O_DIRECT, one writer
+thread per file, xxh3-128 inline, fsync; small items share blocks instead of costing a system
+call each). The coordinator then writes DCP's pickled Metadata as ``dcp.<sid>.metadata`` (its
+save id; final name, fsynced; not a dot-name, which the exporter skips) and last
+``COMMITTED.json`` listing every file with its size and hash. The coordinator holds the
+checkpoint name's lock from planning to the marker and refuses a name that is already
+committed; a save that fails releases it (at once when the coordinator's own write failed,
+else when the writer is reset, closed or no longer referenced — the next claim of the name in
+this process collects such writers first).
+
+Plan caching: pass DCP's planner with caching on, the same for every save of a run,
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    dcp.save(state, storage_writer=TieredWriter(...), planner=DefaultSavePlanner(enable_plan_caching=True))
+
+and from the second save on (same tensors, shapes and dtypes) no rank re-plans and the
+coordinator skips the global plan: each rank writes from its cached plan. Every save still
+claims its name and gets its own save id (prepare_global_plan runs on every save; nothing of a
+save depends on the plan's storage_data, which caching keeps from the first save).
+
+Async: `dcp.async_save(state, storage_writer=TieredWriter(...), async_stager=TieredStager(...))`
+(tiered_ckpt.dcp_stage) stages into a bounded, reusable pool; in process mode DCP pickles the
+writer into its background process, which takes the claim there (a pickled writer carries no
+claim and no descriptor).
 
 Resharding (load at another world size, DTensor placements) is DCP's planner's job; the reader
-only serves the byte ranges it asks for, after checking the marker. Torch is imported here only:
-the rest of the toolkit works without it.
+only serves the byte ranges it asks for, after checking the marker: per file in file order,
+adjacent ranges in one preadv, whole tensors straight into the destination. Torch is imported
+here (and in dcp_stage) only: the rest of the toolkit works without it.
 """
 from __future__ import annotations
 

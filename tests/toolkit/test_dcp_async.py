@@ -136,3 +136,22 @@ def test_a_failed_save_releases_the_name_for_a_new_writer(root: Path, tmp_path: 
     outs = _run(mode, root, tmp_path, world)
     assert all(o["first"] == "CheckpointException" and o["ok"] for o in outs), outs
     assert _committed(root) == ["global_epoch0_step1"]
+
+
+def test_a_pickled_writer_carries_no_claim_and_no_descriptor(root: Path) -> None:
+    """Process mode pickles the writer into DCP's background process, which claims the name itself."""
+    import pickle
+
+    from tiered_ckpt.dcp import TieredWriter
+    from tiered_ckpt.errors import ConflictError
+
+    w = TieredWriter(root, "m", epoch=0, step=9)
+    w.prepare_global_plan([])                   # the coordinator's claim, and the directory open
+    assert w._dfd is not None
+    copy = pickle.loads(pickle.dumps(w))
+    assert copy._hold is None and copy._dfd is None and copy.path == w.path
+    with pytest.raises(ConflictError, match="cannot save global_epoch0_step9 now"):
+        copy.prepare_global_plan([])            # the original still holds the name
+    w.close()
+    copy.prepare_global_plan([])                # released: the copy claims it now
+    copy.close()
