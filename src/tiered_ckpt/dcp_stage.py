@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,11 +163,14 @@ class TieredStager(AsyncStager):
         self._chunks: list[_Chunk] = []
         self._cond = threading.Condition()
         self._waiting: list[_Ticket] = []
+        # Extents given back, applied under the lock by the next allocation: a release may run in
+        # a weakref finalizer, i.e. inside any allocation of any thread, even one holding the lock.
+        self._returns: deque[tuple[_Chunk, int, int]] = deque()
         self.peak_bytes = 0          # the most the pool ever held (never above the budget)
 
     @property
     def pool_bytes(self) -> int:
-        return sum(c.nbytes for c in self._chunks)
+        return sum(c.nbytes for c in list(self._chunks))
 
     # -- AsyncStager ---------------------------------------------------------------------
     @torch.no_grad()
@@ -183,7 +187,8 @@ class TieredStager(AsyncStager):
             if sizes[i] <= room:
                 staged_ids.append(i)
                 room -= sizes[i]
-        live_ids = [i for i in sizes if i not in set(staged_ids)]
+        staged_set = set(staged_ids)
+        live_ids = [i for i in sizes if i not in staged_set]
         if live_ids and self.share:
             need = sum(sizes.values())
             raise UserError(f"the state to save needs {need} bytes of staging, more than TieredStager(budget_bytes="
@@ -223,7 +228,7 @@ class TieredStager(AsyncStager):
                     pos += sizes[i]
         except BaseException:
             for chunk, off, total in extents:
-                self._free(chunk, off, total, [False])
+                self._free(chunk, off, total)
             raise
         for i in live_ids:
             t = by_id[i]
@@ -250,6 +255,7 @@ class TieredStager(AsyncStager):
 
     def close(self) -> None:
         with self._cond:
+            self._apply_returns()
             self._chunks = [c for c in self._chunks if not c.idle]
 
     # -- the pool --------------------------------------------------------------------------
@@ -258,6 +264,7 @@ class TieredStager(AsyncStager):
         collected = 0.0
         with self._cond:
             while True:
+                self._apply_returns()
                 for c in self._chunks:
                     off = c.take(n)
                     if off is not None:
@@ -290,25 +297,25 @@ class TieredStager(AsyncStager):
                     collected = time.monotonic()
                 self._cond.wait(0.05)
 
-    def _free(self, chunk: _Chunk | None, off: int, n: int, state: list[bool]) -> None:
-        with self._cond:
-            if state[0] or chunk is None:
-                return
-            state[0] = True
+    def _free(self, chunk: _Chunk | None, off: int, n: int) -> None:
+        if chunk is not None:
+            self._returns.append((chunk, off, n))      # deque.append is atomic; no lock taken here
+
+    def _apply_returns(self) -> None:
+        while self._returns:
+            chunk, off, n = self._returns.popleft()
             chunk.give(off, n)
-            self._cond.notify_all()
 
     def _ticket(self, extents: list[tuple[_Chunk | None, int, int]], regions: list[tuple[int, int]], live: bool,
                 staged: list[Any]) -> _Ticket:
-        state = [False]
+        state: list[bool] = []
 
         def release() -> None:
-            with self._cond:
-                if state[0]:
-                    return
-                state[0] = True
+            if state:
+                return
+            state.append(True)      # list.append is atomic: an extent is given back once
             for chunk, off, n in extents:
-                self._free(chunk, off, n, [False])
+                self._free(chunk, off, n)
 
         ticket = _Ticket(regions, release, live)
         with _tickets_lock:
