@@ -251,7 +251,7 @@ class TieredWriter(StorageWriter):
             if self.is_coordinator:
                 self.close()    # DCP never calls finish after a failed write: release the name now
             err = os_error(e, self.path) if isinstance(e, OSError) else e
-            fut.set_exception(err.with_traceback(None))  # type: ignore[arg-type]  # torch types it as T
+            fut.set_exception(err)  # type: ignore[arg-type]  # torch types it as T
         finally:
             # A TieredStager holding this save's staging memory may free it (and a caller waiting
             # for its tensors to be written may go on): this rank is done reading them.
