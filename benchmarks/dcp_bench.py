@@ -394,57 +394,59 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
             raise RuntimeError(f"{label}: the loaded state does not match what was saved")
         return res
 
-    for r in range(args.rounds):
-        done = 0
-        rd: dict[str, Any] = {}
-        # Storage limit first: fio on the same directory, the same bytes the state holds.
-        size = _state_bytes_estimate(args.params, args.small)
-        size = max(FIO_JOBS * FIO_BLOCK, size // (FIO_JOBS * FIO_BLOCK) * FIO_JOBS * FIO_BLOCK)
-        for rw in ("write", "read"):
-            cold = drop() and cold
-            t = time.monotonic()
-            rd[f"fio_{rw}"] = _fio(work / "fio", rw, size, FIO_JOBS, FIO_BLOCK)
-            rd[f"fio_{rw}_wall"] = size / (time.monotonic() - t) / 1e9
-            done += 1
-            progress(f"[dcp round {r + 1}/{args.rounds} {done}/{n_meas}] fio {rw}: {rd[f'fio_{rw}']:.2f} GB/s")
-        for f in (work / "fio").iterdir():
-            f.unlink()
-        # Saves of the full state, in a rotating order; FileSystemWriter's 4/8-thread copies are
-        # deleted at once, the 1-thread one is kept for FileSystemReader.
-        step += 1
-        tstep = step
-        saves: list[tuple[str, dict[str, Any]]] = [("save TieredWriter", {"who": "tiered", "step": tstep, "name": "-"})]
-        saves += [(f"save FileSystemWriter thread_count={n}", {"who": "fsw", "threads": n, "name": f"fsw{n}"})
-                  for n in FSW_THREADS]
-        for label, spec in _rotate(saves, r):
-            res = measure(label, {"kind": "save", "what": "state"} | spec)
-            facts.update(bytes=res["bytes"], tensors=res["tensors"], build_s=res["build_s"])
-            rd[spec["who"] + str(spec.get("threads", ""))] = res
-            if spec.get("threads", 1) != 1:
-                shutil.rmtree(work / spec["name"])
-        loads = [("load TieredReader", {"who": "tiered", "step": tstep, "name": "-"}),
-                 ("load FileSystemReader", {"who": "fsr", "name": "fsw1"})]
-        for label, spec in _rotate(loads, r):
-            rd["load_" + spec["who"]] = measure(label, {"kind": "load", "what": "state"} | spec)
-        _clean(work)
-        # async_save: two saves per process, ours vs DCP's own.
-        step += 2
-        asyncs = [("async_save TieredWriter", {"who": "tiered", "step": step - 1, "name": "-"}),
-                  ("async_save FileSystemWriter", {"who": "fsw", "name": "fswa", "step": 0})]
-        for label, spec in _rotate(asyncs, r):
-            rd["async_" + spec["who"]] = measure(label, {"kind": "async", "what": "state"} | spec)
-        _clean(work)
-        # 100,000 tensors of 4 KiB.
-        step += 1
-        for label, spec in _rotate([(f"save {args.many:,} x 4 KiB TieredWriter", {"who": "tiered", "step": step, "name": "-"}),
-                                    (f"save {args.many:,} x 4 KiB FileSystemWriter", {"who": "fsw", "name": "many"})], r):
-            rd["many_save_" + spec["who"]] = measure(label, {"kind": "save", "what": "many"} | spec)
-        for label, spec in _rotate([(f"load {args.many:,} x 4 KiB TieredReader", {"who": "tiered", "step": step, "name": "-"}),
-                                    (f"load {args.many:,} x 4 KiB FileSystemReader", {"who": "fsr", "name": "many"})], r):
-            rd["many_load_" + spec["who"]] = measure(label, {"kind": "load", "what": "many"} | spec)
-        _clean(work)
-        rounds.append(rd)
-    shutil.rmtree(work, ignore_errors=True)
+    try:
+        for r in range(args.rounds):
+            done = 0
+            rd: dict[str, Any] = {}
+            # Storage limit first: fio on the same directory, the same bytes the state holds.
+            size = _state_bytes_estimate(args.params, args.small)
+            size = max(FIO_JOBS * FIO_BLOCK, size // (FIO_JOBS * FIO_BLOCK) * FIO_JOBS * FIO_BLOCK)
+            for rw in ("write", "read"):
+                cold = drop() and cold
+                t = time.monotonic()
+                rd[f"fio_{rw}"] = _fio(work / "fio", rw, size, FIO_JOBS, FIO_BLOCK)
+                rd[f"fio_{rw}_wall"] = size / (time.monotonic() - t) / 1e9
+                done += 1
+                progress(f"[dcp round {r + 1}/{args.rounds} {done}/{n_meas}] fio {rw}: {rd[f'fio_{rw}']:.2f} GB/s")
+            for f in (work / "fio").iterdir():
+                f.unlink()
+            # Saves of the full state, in a rotating order; FileSystemWriter's 4/8-thread copies are
+            # deleted at once, the 1-thread one is kept for FileSystemReader.
+            step += 1
+            tstep = step
+            saves: list[tuple[str, dict[str, Any]]] = [("save TieredWriter", {"who": "tiered", "step": tstep, "name": "-"})]
+            saves += [(f"save FileSystemWriter thread_count={n}", {"who": "fsw", "threads": n, "name": f"fsw{n}"})
+                      for n in FSW_THREADS]
+            for label, spec in _rotate(saves, r):
+                res = measure(label, {"kind": "save", "what": "state"} | spec)
+                facts.update(bytes=res["bytes"], tensors=res["tensors"], build_s=res["build_s"])
+                rd[spec["who"] + str(spec.get("threads", ""))] = res
+                if spec.get("threads", 1) != 1:
+                    shutil.rmtree(work / spec["name"])
+            loads = [("load TieredReader", {"who": "tiered", "step": tstep, "name": "-"}),
+                     ("load FileSystemReader", {"who": "fsr", "name": "fsw1"})]
+            for label, spec in _rotate(loads, r):
+                rd["load_" + spec["who"]] = measure(label, {"kind": "load", "what": "state"} | spec)
+            _clean(work)
+            # async_save: two saves per process, ours vs DCP's own.
+            step += 2
+            asyncs = [("async_save TieredWriter", {"who": "tiered", "step": step - 1, "name": "-"}),
+                      ("async_save FileSystemWriter", {"who": "fsw", "name": "fswa", "step": 0})]
+            for label, spec in _rotate(asyncs, r):
+                rd["async_" + spec["who"]] = measure(label, {"kind": "async", "what": "state"} | spec)
+            _clean(work)
+            # The per-tensor test: --many tensors of 4 KiB.
+            step += 1
+            for label, spec in _rotate([(f"save {args.many:,} x 4 KiB TieredWriter", {"who": "tiered", "step": step, "name": "-"}),
+                                        (f"save {args.many:,} x 4 KiB FileSystemWriter", {"who": "fsw", "name": "many"})], r):
+                rd["many_save_" + spec["who"]] = measure(label, {"kind": "save", "what": "many"} | spec)
+            for label, spec in _rotate([(f"load {args.many:,} x 4 KiB TieredReader", {"who": "tiered", "step": step, "name": "-"}),
+                                        (f"load {args.many:,} x 4 KiB FileSystemReader", {"who": "fsr", "name": "many"})], r):
+                rd["many_load_" + spec["who"]] = measure(label, {"kind": "load", "what": "many"} | spec)
+            _clean(work)
+            rounds.append(rd)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)      # gigabytes of checkpoints, also after a failure
     return _summarize(rounds, facts, args, cold, time.monotonic() - t_all)
 
 
