@@ -21,9 +21,12 @@ the rest of the toolkit works without it.
 """
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
+import threading
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,6 +61,34 @@ __all__ = ["METADATA", "TieredReader", "TieredWriter", "is_dcp_checkpoint", "met
 METADATA = "dcp.{sid}.metadata"
 # A WriteResult that carries a rank's file entries to the coordinator; never part of the metadata.
 _FILES_FQN = "__tiered_ckpt_files__"
+
+
+# The names this process's writers hold claims on: the writer and the thread whose save took it.
+_held: dict[str, tuple[weakref.ref[TieredWriter], threading.Thread]] = {}
+_held_lock = threading.Lock()
+
+
+def _drop_stale_claim(path: Path, me: TieredWriter) -> None:
+    """Release a claim on `path` that this process still holds for a save that is over.
+
+    When a save fails on any rank after planning, DCP calls nothing more on the coordinator's
+    writer (its all_reduce/reduce_scatter just raise CheckpointException), so that writer keeps
+    the claim until it is garbage, and a failed save's traceback keeps it alive in a reference
+    cycle: the retry of the name would be refused as "locked". A thread runs one save at a time,
+    so a claim taken by this very thread, or by a thread that has ended, belongs to a save that
+    is over; one of another live thread (an async save in flight) is released only if its
+    writer is garbage.
+    """
+    with _held_lock:
+        entry = _held.get(os.path.abspath(path))
+    holder = entry[0]() if entry is not None else None
+    if entry is None or holder is None or holder is me:
+        return
+    if entry[1] is threading.current_thread() or not entry[1].is_alive():
+        holder.close()
+    else:
+        del holder
+        gc.collect()      # runs the __del__ of an unreferenced writer (PEP 442: also in a cycle)
 
 
 def metadata_name(save_id: str) -> str:
@@ -218,6 +249,10 @@ class TieredWriter(StorageWriter):
         """Release the name's claim and the directory (after finish, or a save that failed)."""
         claim, self._claim = self._claim, None
         if claim is not None:
+            with _held_lock:
+                entry = _held.get(os.path.abspath(self.path))
+                if entry is not None and entry[0]() is self:
+                    del _held[os.path.abspath(self.path)]
             claim.close()
         if self._dfd is not None:
             os.close(self._dfd)
@@ -241,6 +276,7 @@ class TieredWriter(StorageWriter):
             os.close(rfd)
         claim = ExitStack()
         try:
+            _drop_stale_claim(self.path, self)
             try:
                 claim.enter_context(lock.checkpoint_lock(self.root, self.model, self.cid.name, "save", wait=0))
             except ConflictError as e:
@@ -264,6 +300,8 @@ class TieredWriter(StorageWriter):
         finally:
             os.close(mfd)
         self._claim, self._dfd = claim, dfd
+        with _held_lock:
+            _held[os.path.abspath(self.path)] = (weakref.ref(self), threading.current_thread())
 
     def _clear_stale(self, dfd: int) -> None:
         """Files of earlier saves of this name that never committed (no other rank writes yet)."""
