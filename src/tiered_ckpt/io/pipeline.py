@@ -61,6 +61,10 @@ class Pipeline:
             if self.error is None:
                 self.error = exc
         self.aborted.set()
+        # Wake writers still waiting for their first shard: a failure before produce() ran (or one
+        # that skipped its end) would otherwise leave them, and finish() joining them, blocked.
+        for _ in self._threads:
+            self._work.put(None)
 
     # -- producers: the caller's thread (plus helpers) for a snapshot, background threads for zero-copy --
     def produce(self) -> None:
