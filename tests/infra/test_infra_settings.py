@@ -27,7 +27,7 @@ BAD = [
     ("above default max", "prod", {"capacityTiB": "132"}, ["tiered:capacityTiB", "132", "default maximum (128 TiB", "tiered:allowAboveDefaultMax true"]),
     ("amlfs subnet too small", "prod", {"amlfsSubnetCidr": "10.42.0.0/25"}, ["tiered:amlfsSubnetCidr", "10.42.0.0/25", "128 TiB", "/24"]),
     ("amlfs subnet too small dev", "dev", {"capacityTiB": "20", "amlfsSubnetCidr": "10.43.0.0/27"}, ["tiered:amlfsSubnetCidr", "/26"]),
-    ("overlapping cidrs", "prod", {"computeSubnetCidr": "10.42.0.0/22"}, ["tiered:computeSubnetCidr", "10.42.0.0/22", "overlaps tiered:amlfsSubnetCidr", "disjoint"]),
+    ("overlapping cidrs", "prod", {"computeSubnetCidr": "10.42.0.0/22", "access": "none"}, ["tiered:computeSubnetCidr", "10.42.0.0/22", "overlaps tiered:amlfsSubnetCidr", "disjoint"]),
     ("subnet outside vnet", "prod", {"amlfsSubnetCidr": "10.99.0.0/24"}, ["tiered:amlfsSubnetCidr", "10.99.0.0/24", "not inside tiered:vnetCidr"]),
     ("cidr with host bits", "prod", {"vnetCidr": "10.42.0.1/16"}, ["tiered:vnetCidr", "10.42.0.1/16", "host bits zero"]),
     ("non-ND vm size", "prod", {"vmSize": "Standard_D4s_v5"}, ["tiered:vmSize", "Standard_D4s_v5", "ND-series", "Standard_ND96isr_H100_v5"]),
