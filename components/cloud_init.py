@@ -237,7 +237,7 @@ def _bootstrap_tree(n: NodeInputs) -> str:
     g, svc = n.training_group, SERVICE_USER
     make_trainer = "" if n.training_user == n.admin_user else (
         f"getent passwd {n.training_user} >/dev/null || useradd --uid {TRAINING_UID} --gid {g} --create-home --shell /bin/bash {n.training_user}\n")
-    timer = f"systemctl enable --now {UNIT}.timer\n" if n.retention else f"systemctl disable --now {UNIT}.timer 2>/dev/null || true\n"
+    timer = f"systemctl enable --now {UNIT}.timer\n" if n.retention else "# (not on this host)\n"
     if n.role == ROLE_BYO:
         timer = (f'if [ "$RETENTION" = 1 ]; then systemctl enable --now {UNIT}.timer; '
                  f'else systemctl disable --now {UNIT}.timer 2>/dev/null || true; fi\n')
@@ -452,7 +452,7 @@ def _nccl_profile(n: NodeInputs) -> list[dict[str, str]]:
 def files(n: NodeInputs) -> list[dict[str, str]]:
     """Every file the VM gets (cloud-init write_files entries), the bootstrap last."""
     out = [{"path": CONFIG_PATH, "permissions": "0644", "owner": "root:root", "content": dump(node_config(n))}]
-    out += _retention_units(n) + _slurm_files(n) + _nccl_profile(n)
+    out += (_retention_units(n) if n.retention else []) + _slurm_files(n) + _nccl_profile(n)
     out.append({"path": BOOTSTRAP, "permissions": "0755", "content": _bootstrap(n)})
     return out
 
