@@ -376,7 +376,10 @@ def _check_ssh_source(s: dict[str, Any]) -> Problems:
 
 
 def _check_network(s: dict[str, Any], capacity_tib: int) -> Problems:
-    bastion = s["access"] == "bastion" and s["clusterMode"] == "slurm"
+    # An unknown clusterMode is reported by _check_modes; the checks below then treat it as slurm (the
+    # default) so the rest of the stack's problems still show.
+    ours = s["clusterMode"] != "none"
+    bastion = s["access"] == "bastion" and ours
     names = ("vnetCidr", "amlfsSubnetCidr", "computeSubnetCidr") + (("bastionSubnetCidr",) if bastion else ())
     nets, problems = _networks(s, names)
     yield from problems
@@ -401,7 +404,7 @@ def _check_network(s: dict[str, Any], capacity_tib: int) -> Problems:
         # Azure Bastion: "AzureBastionSubnet ... subnet size must be /26 or larger" (Bastion configuration settings).
         yield _fail("bastionSubnetCidr", str(bas), f"is smaller than the /{BASTION_MIN_PREFIX} Azure Bastion requires",
                     f"use a /{BASTION_MIN_PREFIX} or larger inside {_k('vnetCidr')}")
-    if s["clusterMode"] == "slurm":
+    if ours:
         yield from _check_ssh_source(s)
 
 
@@ -418,7 +421,7 @@ def _check_cluster(s: dict[str, Any]) -> Problems:
         yield _fail("nodeCount", s["nodeCount"], f"exceeds {MAX_NODES} nodes, the limit of one InfiniBand placement group", f"use at most {MAX_NODES} nodes per stack")
     if s["nodeEthernetGbps"] < 0:
         yield _fail("nodeEthernetGbps", s["nodeEthernetGbps"], "is negative", "use 0 (known value for the VM size) or the Gbit/s of the size's Ethernet")
-    if s["clusterMode"] != "slurm":
+    if s["clusterMode"] == "none":
         return      # no VM of ours: no login size, no SSH key, no admin user to check
     if s["loginVmSize"] not in LOGIN_VM_SIZES:
         yield _fail("loginVmSize", s["loginVmSize"], "is not a known general-purpose size for the login/controller VM",
