@@ -27,12 +27,15 @@ $(AZURITE): package.json package-lock.json
 	@touch $@
 
 # Debian packages: fio (storage benchmark), cloud-init (schema check of the rendered custom data),
-# strace (the DCP writer test asserts that a save renames nothing).
+# strace (the DCP writer test asserts that a save renames nothing), slurm-wlm + munge (the cluster
+# tests start a real munged, slurmctld and slurmd; the daemons live in /usr/sbin, often not on PATH).
 debs:
 	@missing=""; \
 	command -v fio >/dev/null || missing="$$missing fio"; \
 	command -v cloud-init >/dev/null || missing="$$missing cloud-init"; \
 	command -v strace >/dev/null || missing="$$missing strace"; \
+	{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null || missing="$$missing slurm-wlm"; \
+	{ command -v munged || [ -x /usr/sbin/munged ]; } >/dev/null || missing="$$missing munge"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null \

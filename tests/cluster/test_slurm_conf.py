@@ -2,6 +2,10 @@
 asserted by tests/cluster/test_slurm_job.py, which starts real ones from this text)."""
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 
 from components.slurm_conf import (
@@ -14,6 +18,7 @@ from components.slurm_conf import (
     slurm_version_supported,
     slurmd_args,
 )
+from tests.cluster.slurm import LocalSlurm, missing_binaries
 
 
 def _prod(**kw: object) -> SlurmConfInputs:
@@ -89,3 +94,29 @@ def test_bad_node_count_refused() -> None:
 ])
 def test_version_gate(version: str, ok: bool) -> None:
     assert slurm_version_supported(version) is ok
+
+
+@pytest.mark.slurm
+def test_controller_accepts_the_nd_configuration_and_gpu_nodes_join_the_partition(tmp_path: Path) -> None:
+    """slurmctld parses the production (ND) files, and a node registered with the feature and 8 GPUs
+    lands in the GPU partition with its GRES, without any NodeName line in slurm.conf."""
+    missing = missing_binaries()
+    if missing or os.geteuid() != 0:
+        pytest.skip(f"needs root and Slurm/munge ({', '.join(missing) or 'not root'}); `make debs` installs them")
+    cluster = LocalSlurm(tmp_path, production=True).start()
+    try:
+        conf = cluster.run("scontrol", "show", "config").stdout
+        assert re.search(r"^MaxNodeCount\s*=\s*6$", conf, re.M), conf
+        assert re.search(r"^ProctrackType\s*=\s*proctrack/cgroup$", conf, re.M), conf
+        # What a dynamic slurmd -Z --conf "Gres=gpu:8 Feature=ndv5" registration creates (slurmd
+        # itself needs GPUs and cgroups this machine lacks): the same node line, State=FUTURE.
+        assert cluster.inputs is not None
+        nd = slurmd_args(cluster.inputs)[2].split()
+        cluster.run("scontrol", "create", "NodeName=nd-0001", "CPUs=96", "RealMemory=1000", *nd, "State=FUTURE")
+        cluster.run("scontrol", "create", "NodeName=other-1", "CPUs=4", "Feature=cpu", "State=FUTURE")
+        node = cluster.run("scontrol", "--future", "show", "node", "nd-0001").stdout
+        assert "Gres=gpu:8" in node and re.search(r"Partitions=gpu\s*$", node, re.M), node
+        other = cluster.run("scontrol", "--future", "show", "node", "other-1").stdout
+        assert "other-1" in other and "Partitions=gpu" not in other, other
+    finally:
+        cluster.stop()
