@@ -40,12 +40,13 @@ SERVICE_ID = 2742
 TRAINING_GID = 2743
 TRAINING_UID = 2744
 ROLE_NODE, ROLE_LOGIN, ROLE_BYO = "node", "login", "byo"
+WORK_DIR = "work"          # /lustrefs/work: shared by the login VM and every node
 BOOTSTRAP = "/usr/local/sbin/tiered-ckpt-bootstrap"
 HEALTHCHECK = "/usr/local/sbin/tiered-ckpt-healthcheck"
 MUNGE_KEY_TOOL = "/usr/local/sbin/tiered-ckpt-munge-key"
 EVENTS_TOOL = "/usr/local/sbin/tiered-ckpt-scheduled-events"
 EVENTS_UNIT = "tiered-ckpt-scheduled-events"
-NCCL_PROFILE = "/etc/profile.d/tiered-ckpt-nccl.sh"
+NCCL_PROFILE = "/etc/profile.d/nccl.sh"   # examples/train.sbatch sources it (NCCL_ENV_FILE)
 MUNGE_KEY = "/etc/munge/munge.key"
 # Key Vault REST API version of the secret GET/PUT calls (Key Vault REST reference, "Set Secret", "Get Secret").
 KEYVAULT_API = "7.4"
@@ -256,6 +257,10 @@ getent group {g} >/dev/null || groupadd --gid {TRAINING_GID} {g}
 [ "$(getent group {g} | cut -d: -f3)" = {TRAINING_GID} ] || {{ log "group {g} exists with another gid than {TRAINING_GID}; every node must use the same"; exit 1; }}
 {make_trainer}for u in {n.training_user} {n.admin_user} {svc}; do getent passwd "$u" >/dev/null && usermod -aG {g} "$u"; done
 mkdir -p {n.lustre_root}/{n.model}
+# A shared working directory for job files and training virtualenvs: sbatch runs the script on the
+# nodes from the submit directory, and home directories are per VM. Not under the checkpoint prefix,
+# so auto-export never copies it.
+install -d -g {g} -m 2775 {MOUNT}/{WORK_DIR}
 for d in {n.lustre_root} {n.lustre_root}/{n.model}; do
   chown {n.training_user}:{g} "$d"
   chmod 2775 "$d"
