@@ -207,7 +207,7 @@ def test_nodes_get_nccl_health_check_and_event_watcher_and_the_login_gets_retent
     assert "export NCCL_TOPO_FILE=/opt/microsoft/ndv4-topo.xml" in dev_node[cloud_init.NCCL_PROFILE]
     assert cloud_init.HEALTHCHECK in node and cloud_init.HEALTHCHECK not in login
     unit = f"/etc/systemd/system/{cloud_init.EVENTS_UNIT}.service"
-    assert f"--mount /lustrefs --drain" in node[unit] and "--drain" not in login[unit]
+    assert "--mount /lustrefs --drain" in node[unit] and "--drain" not in login[unit]
     assert f"/etc/systemd/system/{cloud_init.UNIT}.timer" in login and f"/etc/systemd/system/{cloud_init.UNIT}.timer" not in node
 
 

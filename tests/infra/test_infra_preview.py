@@ -35,3 +35,13 @@ def test_preview_json_shows_nsg_ports_both_ways_and_the_scale_set_fabric_setting
     for shown in ("singlePlacementGroup=True", "faultDomains=1", "overprovision=False", "acceleratedNetworking=True",
                   "image=microsoft-dsvm:ubuntu-hpc:2404", "passwordAuth=False", "publicIp=False"):
         assert shown in vmss, shown
+
+
+@pytest.mark.timeout(90)
+def test_preview_text_prints_the_way_in() -> None:
+    r = subprocess.run([sys.executable, "-m", "tiered_ops.preview", "--stack", "prod"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=80)
+    assert r.returncode == 0, r.stderr
+    assert ("way in (bastion): az network bastion ssh --name tckpt-prod-bastion --resource-group tckpt-prod-compute-rg "
+            "--target-resource-id /subscriptions/") in r.stdout
+    assert "tiered:access:Bastion  tiered-bastion" in r.stdout and "compute:VirtualMachine " in r.stdout
