@@ -33,11 +33,12 @@ from .network import login_private_ip
 from .settings import MAX_NODES, Settings
 
 TOOLS_CONTAINER = "tools"
-# Ubuntu 24.04 on both VM kinds: its Slurm (23.11) has dynamic nodes (22.05+), 22.04's (21.08) does not, and
-# slurmctld and slurmd must be the same release. ND nodes: Microsoft's HPC image (GPU driver, InfiniBand,
-# NCCL topology files, AMLFS Lustre client); login: plain Ubuntu server (the bootstrap installs the client).
+# Microsoft's Ubuntu-HPC 24.04 image on both VM kinds: its Slurm (Ubuntu 24.04's 23.11) has dynamic nodes
+# (Slurm 22.05+; 22.04 ships 21.08), slurmctld and slurmd come from the same release, and the image ships
+# the AMLFS Lustre client built for its kernel (plus GPU driver, InfiniBand and the NCCL topology files the
+# ND nodes use; on the login VM's general-purpose size those simply stay idle).
 IMAGE = compute.ImageReferenceArgs(publisher="microsoft-dsvm", offer="ubuntu-hpc", sku="2404", version="latest")
-LOGIN_IMAGE = compute.ImageReferenceArgs(publisher="Canonical", offer="ubuntu-24_04-lts", sku="server", version="latest")
+LOGIN_IMAGE = IMAGE
 # Built-in roles (Azure docs, "Azure built-in roles for Security"): read secret values / manage secrets.
 KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
 KEY_VAULT_SECRETS_OFFICER = "b86a8fe4-44ce-4948-aee5-eccb2c155cd7"

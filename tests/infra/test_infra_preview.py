@@ -29,7 +29,7 @@ def test_preview_json_shows_nsg_ports_both_ways_and_the_scale_set_fabric_setting
     assert "name=tckpt-prod-bastion  sku=Standard  nativeClient=True" in props["tiered-bastion-host"]
     assert "rbac=True  network=Deny  subnets=1" in props["tiered-gpu-vault"]
     assert "privateIp=10.42.4.4  allocation=Static  publicIp=False" in props["tiered-gpu-login-nic"]
-    for shown in ("size=Standard_D8s_v5", "zones=1", "image=Canonical:ubuntu-24_04-lts:server", "passwordAuth=False"):
+    for shown in ("size=Standard_D8s_v5", "zones=1", "image=microsoft-dsvm:ubuntu-hpc:2404", "passwordAuth=False"):
         assert shown in props["tiered-gpu-login"], shown
     vmss = props["tiered-gpu-vmss"]
     for shown in ("singlePlacementGroup=True", "faultDomains=1", "overprovision=False", "acceleratedNetworking=True",
