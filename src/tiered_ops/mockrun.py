@@ -50,6 +50,8 @@ class Res:
     timeouts: dict[str, str]
     id: str = ""
     state: dict[str, Any] = field(default_factory=dict)
+    replace_on_changes: list[str] = field(default_factory=list)
+    delete_before_replace: bool = False
 
 
 @dataclass
@@ -230,7 +232,8 @@ def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str],
                     type=request.type, name=request.name, urn=urn, parent=request.parent, custom=bool(request.custom),
                     inputs=rpc.deserialize_properties(request.object) if request.custom else {},
                     deps=list(request.dependencies), protect=bool(request.protect),
-                    timeouts={k: v for k, v in (("create", t.create), ("update", t.update), ("delete", t.delete)) if v})
+                    timeouts={k: v for k, v in (("create", t.create), ("update", t.update), ("delete", t.delete)) if v},
+                    replace_on_changes=list(request.replaceOnChanges), delete_before_replace=bool(request.deleteBeforeReplace))
             return super().RegisterResource(request)
 
     set_all_config(config)

@@ -23,7 +23,7 @@ from components.cluster import KEY_VAULT_SECRETS_OFFICER, KEY_VAULT_SECRETS_USER
 from tiered_ops import mockrun
 
 from .conftest import SSH_KEY, Plan
-from .test_infra_cloud_init import custom_data, login_data, schema_check
+from .test_infra_cloud_init import custom_data, login_data
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,15 +127,10 @@ def test_login_vm_is_the_controller_in_the_nodes_zone_and_subnet_with_ssh_key_on
     # The VM carries the node identity (toolkit, archive, retention) and its own (the vault, as officer).
     ids = {r.name: r.id for r in p.of_type(T + "managedidentity:UserAssignedIdentity")}
     assert sorted(i["identity"]["userAssignedIdentities"]) == sorted(ids.values())
-    assert "osProfile.customData" in _replace_on_changes(p, login)
+    # Azure cannot change customData in place: a new login configuration is a new VM, the old one first (same NIC).
+    assert login.replace_on_changes == ["osProfile.customData"] and login.delete_before_replace
     ev = vmss.inputs["virtualMachineProfile"]["scheduledEventsProfile"]["terminateNotificationProfile"]
     assert ev == {"enable": True, "notBeforeTimeout": "PT10M"}
-
-
-def _replace_on_changes(p: mockrun.PreviewResult, r: mockrun.Res) -> list[str]:
-    # The mock monitor does not record options; the program's source states the replacement rule.
-    src = (ROOT / "components" / "cluster.py").read_text()
-    return ["osProfile.customData"] if 'replace_on_changes=["osProfile.customData"]' in src else []
 
 
 @pytest.mark.parametrize("stack", ["prod", "dev"])
