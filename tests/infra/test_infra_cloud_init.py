@@ -130,6 +130,16 @@ def test_custom_data_size_does_not_grow_with_the_toolkit(tmp_path: Path) -> None
     text = cloud_init.render(_inputs())
     assert len(text.encode()) < cloud_init.CUSTOM_DATA_LIMIT // 4
     assert schema_check(text.encode(), tmp_path).returncode == 0
+    # The largest documents: a node and the login VM with Slurm, the NCCL profile and every script.
+    from components import slurm_conf
+    conf = slurm_conf.SlurmConfInputs("c" * 40, "h" * 63, 100, controller_addr="10.255.255.254", health_check_program=cloud_init.HEALTHCHECK)
+    slurm = cloud_init.SlurmInputs(conf=conf, vault_url="https://" + "v" * 24 + ".vault.azure.net", secret_name="munge-key",
+                                   vault_client_id="0" * 36)
+    for role in (cloud_init.ROLE_NODE, cloud_init.ROLE_LOGIN):
+        big = cloud_init.render(_inputs(role=role, slurm=slurm, nccl_topo_file="/opt/microsoft/ndv5-topo.xml",
+                                        training_user="u" * 32, training_group="g" * 32))
+        assert len(big.encode()) < cloud_init.CUSTOM_DATA_LIMIT // 2, (role, len(big.encode()))
+        assert schema_check(big.encode(), tmp_path).returncode == 0
     with pytest.raises(ValueError, match="above Azure's 65535-byte limit"):
         cloud_init.encode("#cloud-config\n" + "#" * 70000)
 
