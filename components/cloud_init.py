@@ -278,6 +278,7 @@ def _bootstrap_slurm(n: NodeInputs) -> str:
     conf = n.slurm.conf
     if n.role == ROLE_LOGIN:
         daemon = f"""apt-get install -y -q munge slurmctld slurm-client
+systemd-tmpfiles --create /etc/tmpfiles.d/tiered-ckpt-slurm.conf     # {conf.run_dir} now, not only from the next boot
 {MUNGE_KEY_TOOL} init
 systemctl restart munge
 # slurmctld's state on Lustre: a replaced login VM picks up the queue where the old one left it.
@@ -289,6 +290,7 @@ systemctl restart slurmctld
 """
     else:
         daemon = f"""apt-get install -y -q munge slurmd slurm-client
+systemd-tmpfiles --create /etc/tmpfiles.d/tiered-ckpt-slurm.conf     # {conf.run_dir} now, not only from the next boot
 {MUNGE_KEY_TOOL} fetch
 systemctl restart munge
 install -d -o root -g root {conf.log_dir} {conf.spool_dir}
