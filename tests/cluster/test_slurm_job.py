@@ -206,27 +206,41 @@ def test_job_checkpoints_is_cancelled_resumes_and_restores_from_the_archive(harn
 
 
 def test_requeued_job_restarts_and_resumes_where_it_stopped(harness: Harness) -> None:
-    """`scontrol requeue` is what Slurm does to a --requeue job whose node fails or that is preempted:
-    the running job is signalled and killed, then started again from the top under the same id."""
+    """Two ways a running job is requeued, each restarting it from the top under the same id:
+    the time-limit warning (`--signal=B:USR1@120`: the batch script's trap stops the workers with
+    a checkpoint and runs `scontrol requeue`), and `scontrol requeue` itself, which is what Slurm
+    does to a --requeue job whose node failed or that was preempted."""
     h = harness
     job, out = h.submit("--steps", "400", "--save-every", str(SAVE_EVERY), "--step-sleep", "0.25")
-    wait_for("2 committed checkpoints", lambda: len(h.local_steps()) >= 2, JOB_TIMEOUT,
-             lambda: out.read_text(errors="replace") + h.slurm.logs())
+
+    def text() -> str:
+        return out.read_text(errors="replace")
+
+    def why() -> str:
+        return text() + h.slurm.logs()
+
+    def requeued_and_resumed(restarts: int) -> None:
+        # Slurm holds a requeued job back (22.05 sets its begin time ~2 minutes ahead, visible as
+        # Reason=BeginTime); the test moves that to now once the job is pending again.
+        wait_for("the requeued job to be pending", lambda: h.state(job) == "PENDING", JOB_TIMEOUT, why)
+        h.slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        wait_for(f"restart {restarts} to resume", lambda: len(_steps_in(text(), "resumed")) == restarts,
+                 JOB_TIMEOUT, why)
+
+    wait_for("2 committed checkpoints", lambda: len(h.local_steps()) >= 2, JOB_TIMEOUT, why)
+    h.slurm.run("scancel", "--batch", "--signal=USR1", job)        # what --signal=B:USR1@120 sends
+    requeued_and_resumed(1)
+    wait_for("a checkpoint after the restart", lambda: max(h.local_steps()) > _steps_in(text(), "resumed")[0],
+             JOB_TIMEOUT, why)
     h.slurm.run("scontrol", "requeue", job)
-    # Slurm holds a requeued job back (here 22.05 set its begin time ~2 minutes ahead, visible as
-    # Reason=BeginTime); the test moves that to now once the job is pending again.
-    wait_for("the requeued job to be pending", lambda: h.state(job) == "PENDING", JOB_TIMEOUT,
-             lambda: out.read_text(errors="replace") + h.slurm.logs())
-    h.slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-    wait_for("the requeued run to resume", lambda: _steps_in(out.read_text(errors="replace"), "resumed") != [],
-             JOB_TIMEOUT, lambda: out.read_text(errors="replace") + h.slurm.logs())
+    requeued_and_resumed(2)
     h.slurm.run("scancel", job)
     h.wait_gone(job, out)
-    log = out.read_text()
-    stopped = _steps_in(log, "stopped")
-    assert stopped, f"the first run did not stop cleanly on the requeue's SIGTERM:\n{log}"
-    assert _steps_in(log, "resumed")[0] == stopped[0], log
-    assert "restarts=1" in log, log
+    log = text()
+    assert "requeueing job" in log, log
+    stopped, resumed = _steps_in(log, "stopped"), _steps_in(log, "resumed")
+    assert len(stopped) == 3 and resumed == stopped[:2], log
+    assert "restarts=1" in log and "restarts=2" in log, log
 
 
 def test_the_health_check_program_runs_on_the_node(slurm: LocalSlurm) -> None:
