@@ -1,4 +1,15 @@
-"""GPU cluster: ND-series scale set on one InfiniBand fabric, its identity, least-privilege roles, cloud-init.
+"""GPU cluster: login/controller VM (slurmctld) + ND-series scale set (slurmd) on one InfiniBand fabric, their
+identities, least-privilege roles, the Key Vault holding the munge key, cloud-init.
+
+clusterMode none keeps the identity, its roles and the toolkit blob (an existing cluster's nodes use them)
+and creates no VM: the component then offers `bootstrap_script`, run as root on each node of that cluster.
+
+The munge key (shared secret of every munged in the cluster) is created by the login VM at its first boot
+and written to the vault with the login VM's own identity (Key Vault Secrets Officer on this vault only);
+ND nodes read it with theirs (Key Vault Secrets User on this vault only). So the key exists only in Key
+Vault and on the VMs: never in custom data, stack outputs, plan output or Pulumi state (a secret created by
+the program would sit in the state, encrypted but there). The vault uses RBAC authorization (no access
+policies) and admits only the compute subnet.
 
 The toolkit reaches the nodes as a private blob in a small "tools" account in the compute resource
 group (not in the archive account: that account's firewall denies everything but the two subnets, and
@@ -7,18 +18,36 @@ their managed identity and check its sha256 from the custom data.
 """
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import pulumi
-from pulumi_azure_native import authorization, compute, managedidentity, storage
+import pulumiverse_time as time
+from pulumi_azure_native import authorization, compute, keyvault, managedidentity, network, storage
 
-from . import cloud_init
+from . import cloud_init, slurm_conf
 from .core_storage import STORAGE_BLOB_DATA_READER, account_name, role_definition_id
-from .settings import Settings
+from .network import login_private_ip
+from .settings import MAX_NODES, Settings
 
 TOOLS_CONTAINER = "tools"
-IMAGE = compute.ImageReferenceArgs(publisher="microsoft-dsvm", offer="ubuntu-hpc", sku="2204", version="latest")
+# Microsoft's Ubuntu-HPC 24.04 image on both VM kinds: its Slurm (Ubuntu 24.04's 23.11) has dynamic nodes
+# (Slurm 22.05+; 22.04 ships 21.08), slurmctld and slurmd come from the same release, and the image ships
+# the AMLFS Lustre client built for its kernel (plus GPU driver, InfiniBand and the NCCL topology files the
+# ND nodes use; on the login VM's general-purpose size those simply stay idle).
+IMAGE = compute.ImageReferenceArgs(publisher="microsoft-dsvm", offer="ubuntu-hpc", sku="2404", version="latest")
+LOGIN_IMAGE = IMAGE
+# Built-in roles (Azure docs, "Azure built-in roles for Security"): read secret values / manage secrets.
+KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
+KEY_VAULT_SECRETS_OFFICER = "b86a8fe4-44ce-4948-aee5-eccb2c155cd7"
+MUNGE_SECRET = "munge-key"
+# slurmctld state on Lustre: a replaced login VM (new custom data) resumes the queue.
+SLURM_STATE_DIR = f"{cloud_init.MOUNT}/.slurm/slurmctld"
+# Terminate notice the scale set gives each instance (5-15 min; Azure docs, "Terminate notification for
+# Azure Virtual Machine Scale Set instances"): time to drain and unmount Lustre cleanly.
+TERMINATE_NOTICE = "PT10M"
 
 # What `tiered-ckpt restore` and retention do through ARM on the file system, nothing more:
 # read the file system (HSM settings, archive status); create/watch/clean up import jobs for a deleted
@@ -50,13 +79,25 @@ class ClusterArgs:
     mgs_address: pulumi.Input[str]
     provisioned_gbps: pulumi.Input[float]
     toolkit: cloud_init.Toolkit
+    tenant_id: pulumi.Input[str]
+    bastion_name: pulumi.Input[str] | None = None    # access bastion: the Bastion host's name
 
 
 class Cluster(pulumi.ComponentResource):
-    scale_set_name: pulumi.Output[str]
+    identity_id: pulumi.Output[str]
     identity_client_id: pulumi.Output[str]
     identity_principal_id: pulumi.Output[str]
-    custom_data: pulumi.Output[str]
+    # clusterMode slurm (None otherwise):
+    scale_set_name: pulumi.Output[str] | None
+    custom_data: pulumi.Output[str] | None          # ND nodes' cloud-config
+    login_custom_data: pulumi.Output[str] | None
+    login_host: str | None
+    login_private_ip: str | None
+    login_public_ip: pulumi.Output[str] | None
+    vault_name: pulumi.Output[str] | None
+    ssh_command: pulumi.Output[str] | None
+    # clusterMode none:
+    bootstrap_script: pulumi.Output[str] | None
 
     def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("tiered:cluster:Cluster", name, None, opts)
@@ -107,7 +148,93 @@ class Cluster(pulumi.ComponentResource):
             client_id=uami.client_id, sub=args.subscription_id, rg=rg, fs=args.filesystem_name, job=args.autoexport_job_name,
             gbps=args.provisioned_gbps, tools_endpoint=tools.primary_endpoints.apply(lambda e: e.blob),
             tools_container=tools_container.name, blob_name=blob.name)
-        self.custom_data = inputs.apply(lambda v: cloud_init.render(_node_inputs(s, args.toolkit, v)))
+        self.identity_id = uami.id
+        self.identity_client_id = uami.client_id
+        self.identity_principal_id = uami.principal_id
+        self.scale_set_name = self.custom_data = self.login_custom_data = self.login_public_ip = None
+        self.vault_name = self.ssh_command = self.bootstrap_script = None
+        self.login_host = self.login_private_ip = None
+
+        if s.cluster_mode != "slurm":
+            self.bootstrap_script = inputs.apply(
+                lambda v: cloud_init.bootstrap_script(_node_inputs(s, args.toolkit, v, role=cloud_init.ROLE_BYO)))
+            self.register_outputs({"identity_client_id": self.identity_client_id})
+            return
+
+        # Key Vault for the munge key. Vault names stay reserved while soft-deleted (7-90 days), so a vault
+        # re-created after a compute-off/on cycle needs a new name: the stamp changes with each creation.
+        stamp = time.Static(f"{name}-vault-stamp", opts=child)
+        vault = keyvault.Vault(
+            f"{name}-vault",
+            vault_name=pulumi.Output.all(args.subscription_id, stamp.unix).apply(lambda v: vault_name(s, str(v[0]), str(v[1]))),
+            resource_group_name=rg, location=s.location,
+            properties=keyvault.VaultPropertiesArgs(
+                tenant_id=args.tenant_id,
+                sku=keyvault.SkuArgs(family=keyvault.SkuFamily.A, name=keyvault.SkuName.STANDARD),
+                enable_rbac_authorization=True,       # data access by Azure RBAC role assignments only
+                soft_delete_retention_in_days=7,
+                public_network_access="Enabled",      # the firewall below still denies all but the compute subnet
+                network_acls=keyvault.NetworkRuleSetArgs(
+                    default_action=keyvault.NetworkRuleAction.DENY, bypass=keyvault.NetworkRuleBypassOptions.NONE,
+                    virtual_network_rules=[keyvault.VirtualNetworkRuleArgs(id=args.subnet_id)])),
+            opts=child)
+        login_uami = managedidentity.UserAssignedIdentity(f"{name}-login-identity", resource_group_name=rg, location=s.location, opts=child)
+        grants.append(grant("vault-reader", vault.id, role_definition_id(args.subscription_id, KEY_VAULT_SECRETS_USER)))
+        login_grant = authorization.RoleAssignment(
+            f"{name}-vault-officer", principal_id=login_uami.principal_id, principal_type=authorization.PrincipalType.SERVICE_PRINCIPAL,
+            role_definition_id=role_definition_id(args.subscription_id, KEY_VAULT_SECRETS_OFFICER), scope=vault.id, opts=child)
+        vault_url = vault.name.apply(lambda n: f"https://{n}.vault.azure.net")
+
+        self.login_host = f"{s.base_name}-login"
+        self.login_private_ip = login_private_ip(s)
+        public_ip: network.PublicIPAddress | None = None
+        if s.access == "public-ip":
+            # The login VM only; the NSG admits SSH from sshSourcePrefix. ND nodes never get a public IP.
+            public_ip = network.PublicIPAddress(
+                f"{name}-login-ip", resource_group_name=rg, location=s.location, zones=[s.zone],
+                sku=network.PublicIPAddressSkuArgs(name=network.PublicIPAddressSkuName.STANDARD, tier=network.PublicIPAddressSkuTier.REGIONAL),
+                public_ip_allocation_method=network.IPAllocationMethod.STATIC, opts=child)
+            self.login_public_ip = public_ip.ip_address.apply(lambda a: a or "")
+        nic = network.NetworkInterface(
+            f"{name}-login-nic", resource_group_name=rg, location=s.location, enable_accelerated_networking=True,
+            ip_configurations=[network.NetworkInterfaceIPConfigurationArgs(
+                name="ipconfig", primary=True, subnet=network.SubnetArgs(id=args.subnet_id),
+                private_ip_allocation_method=network.IPAllocationMethod.STATIC, private_ip_address=self.login_private_ip,
+                public_ip_address=network.PublicIPAddressArgs(id=public_ip.id) if public_ip else None)],
+            opts=child)
+
+        conf = slurm_inputs(s, self.login_host, self.login_private_ip)
+        login_inputs = pulumi.Output.all(base=inputs, vault_url=vault_url, login_client=login_uami.client_id)
+        self.login_custom_data = login_inputs.apply(lambda v: cloud_init.render(_node_inputs(
+            s, args.toolkit, v["base"], role=cloud_init.ROLE_LOGIN,
+            slurm=cloud_init.SlurmInputs(conf=conf, vault_url=v["vault_url"], secret_name=MUNGE_SECRET, vault_client_id=v["login_client"]))))
+        node_inputs = pulumi.Output.all(base=inputs, vault_url=vault_url)
+        self.custom_data = node_inputs.apply(lambda v: cloud_init.render(_node_inputs(
+            s, args.toolkit, v["base"], role=cloud_init.ROLE_NODE,
+            slurm=cloud_init.SlurmInputs(conf=conf, vault_url=v["vault_url"], secret_name=MUNGE_SECRET, vault_client_id=v["base"]["client_id"]))))
+
+        ssh = compute.SshConfigurationArgs(public_keys=[compute.SshPublicKeyArgs(
+            path=f"/home/{s.admin_username}/.ssh/authorized_keys", key_data=s.ssh_public_key)])
+        login = compute.VirtualMachine(
+            f"{name}-login", vm_name=self.login_host, resource_group_name=rg, location=s.location, zones=[s.zone],
+            hardware_profile=compute.HardwareProfileArgs(vm_size=s.login_vm_size),
+            identity=compute.VirtualMachineIdentityArgs(type=compute.ResourceIdentityType.USER_ASSIGNED,
+                                                        user_assigned_identities=[uami.id, login_uami.id]),
+            storage_profile=compute.StorageProfileArgs(
+                image_reference=LOGIN_IMAGE,
+                os_disk=compute.OSDiskArgs(create_option=compute.DiskCreateOptionTypes.FROM_IMAGE, caching=compute.CachingTypes.READ_WRITE,
+                                           managed_disk=compute.ManagedDiskParametersArgs(storage_account_type=compute.StorageAccountTypes.PREMIUM_LRS),
+                                           disk_size_gb=128, delete_option=compute.DiskDeleteOptionTypes.DELETE)),
+            os_profile=compute.OSProfileArgs(
+                computer_name=self.login_host, admin_username=s.admin_username,
+                custom_data=self.login_custom_data.apply(cloud_init.encode),
+                linux_configuration=compute.LinuxConfigurationArgs(disable_password_authentication=True, ssh=ssh)),
+            network_profile=compute.NetworkProfileArgs(network_interfaces=[compute.NetworkInterfaceReferenceArgs(id=nic.id, primary=True)]),
+            # Azure cannot change a VM's customData in place: a changed login configuration is a new VM
+            # (slurmctld's state is on Lustre, the queue survives). The NIC is reused, so the old VM goes first.
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[*grants, login_grant, blob], replace_on_changes=["osProfile.customData"],
+                                        delete_before_replace=True,
+                                        custom_timeouts=pulumi.CustomTimeouts(create="30m", update="30m", delete="30m")))
 
         vmss = compute.VirtualMachineScaleSet(
             f"{name}-vmss",
@@ -138,12 +265,12 @@ class Cluster(pulumi.ComponentResource):
                     computer_name_prefix=s.base_name[:9],
                     admin_username=s.admin_username,
                     custom_data=self.custom_data.apply(cloud_init.encode),
-                    linux_configuration=compute.LinuxConfigurationArgs(
-                        disable_password_authentication=True,
-                        ssh=compute.SshConfigurationArgs(public_keys=[compute.SshPublicKeyArgs(
-                            path=f"/home/{s.admin_username}/.ssh/authorized_keys", key_data=s.ssh_public_key)]),
-                    ),
+                    linux_configuration=compute.LinuxConfigurationArgs(disable_password_authentication=True, ssh=ssh),
                 ),
+                # A scale-in or delete gives each node notice (Scheduled Events "Terminate"): the watcher
+                # drains it and unmounts Lustre before the VM goes.
+                scheduled_events_profile=compute.ScheduledEventsProfileArgs(
+                    terminate_notification_profile=compute.TerminateNotificationProfileArgs(enable=True, not_before_timeout=TERMINATE_NOTICE)),
                 network_profile=compute.VirtualMachineScaleSetNetworkProfileArgs(network_interface_configurations=[
                     compute.VirtualMachineScaleSetNetworkConfigurationArgs(
                         name="nic",
@@ -155,19 +282,55 @@ class Cluster(pulumi.ComponentResource):
                     ),
                 ]),
             ),
-            # Nodes fetch the toolkit and call ARM at first boot: grants first.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[*grants, blob],
+            # Nodes fetch the toolkit and call ARM at first boot: grants first. The login NIC first too, so
+            # its static address is taken before any node's dynamic one.
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[*grants, blob, nic],
                                         custom_timeouts=pulumi.CustomTimeouts(create="60m", update="60m", delete="60m")),
         )
 
         self.scale_set_name = vmss.name
-        self.identity_client_id = uami.client_id
-        self.identity_principal_id = uami.principal_id
-        self.register_outputs({"scale_set_name": self.scale_set_name, "identity_client_id": self.identity_client_id})
+        self.vault_name = vault.name
+        target = self.login_public_ip if self.login_public_ip is not None else self.login_private_ip
+        if s.access == "bastion" and args.bastion_name is not None:
+            self.ssh_command = pulumi.Output.concat(
+                "az network bastion ssh --name ", args.bastion_name, " --resource-group ", rg, " --target-resource-id ", login.id,
+                f" --auth-type ssh-key --username {s.admin_username} --ssh-key {private_key_path(s.ssh_public_key)}")
+        else:
+            self.ssh_command = pulumi.Output.concat(f"ssh -i {private_key_path(s.ssh_public_key)} {s.admin_username}@", target)
+        self.register_outputs({"scale_set_name": self.scale_set_name, "identity_client_id": self.identity_client_id,
+                               "vault_name": self.vault_name, "ssh_command": self.ssh_command})
 
 
-def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any]) -> cloud_init.NodeInputs:
+def vault_name(s: Settings, subscription_id: str, stamp: str) -> str:
+    """3-24 letters/digits, globally unique, starting with a letter (Key Vault naming rules)."""
+    stem = (s.name_prefix + re.sub(r"[^a-z0-9]", "", s.stack.lower()))[:14]
+    return f"{stem}kv{hashlib.sha256(f'{subscription_id}/{s.stack}/{stamp}'.encode()).hexdigest()[:8]}"
+
+
+def private_key_path(public_key: str) -> str:
+    """The OpenSSH default private key file for the type of `public_key` (ssh-keygen(1) FILES)."""
+    kind = public_key.split()[0]
+    return "~/.ssh/" + {"ssh-rsa": "id_rsa", "sk-ssh-ed25519@openssh.com": "id_ed25519_sk"}.get(
+        kind, "id_ecdsa" if kind.startswith("ecdsa") else "id_ed25519")
+
+
+def slurm_inputs(s: Settings, controller_host: str, controller_addr: str) -> slurm_conf.SlurmConfInputs:
+    """slurm.conf inputs. MaxNodeCount is the stack's node limit, not nodeCount: scaling the ND scale set
+    then changes nothing on the controller (dynamic nodes register themselves)."""
+    return slurm_conf.SlurmConfInputs(
+        cluster_name=re.sub(r"[^a-z0-9]", "", s.base_name.lower())[:40] or "tiered",
+        controller_host=controller_host, controller_addr=controller_addr,
+        max_nodes=MAX_NODES, node_headroom=0,
+        health_check_program=cloud_init.HEALTHCHECK, state_dir=SLURM_STATE_DIR,
+        gpus_per_node=slurm_conf.ND_GPUS_PER_NODE)
+
+
+def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any], *, role: str,
+                 slurm: cloud_init.SlurmInputs | None = None) -> cloud_init.NodeInputs:
     return cloud_init.NodeInputs(
+        role=role, slurm=slurm, admin_user=s.admin_username, training_user=s.training_user, training_group=s.training_group,
+        nccl_topo_file=cloud_init.nccl_topo_file(s.vm_size) if role == cloud_init.ROLE_NODE else "",
+        gpus_per_node=slurm_conf.ND_GPUS_PER_NODE,
         mgs_address=v["mgs"], account_url=v["endpoint"].rstrip("/"), data_container=v["container"],
         blob_prefix=s.blob_prefix, lustre_root=s.lustre_root, model=s.model_name, nodes=s.node_count,
         identity_client_id=v["client_id"], subscription_id=v["sub"], resource_group=v["rg"], filesystem=v["fs"],

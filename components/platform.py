@@ -16,6 +16,7 @@ from pulumi_azure_native import authorization, resources
 
 from . import cloud_init, sizing
 from .accelerator import Accelerator, AcceleratorArgs
+from .access import Bastion, BastionArgs
 from .cluster import Cluster, ClusterArgs
 from .core_storage import CoreStorage, CoreStorageArgs
 from .network import Network, NetworkArgs
@@ -46,6 +47,17 @@ class StackOutputs(TypedDict):
     nodeCount: int | None
     scaleSetName: pulumi.Output[str] | None
     nodeIdentityClientId: pulumi.Output[str] | None
+    nodeIdentityId: pulumi.Output[str] | None
+    computeSubnetId: pulumi.Output[str] | None
+    clusterMode: str
+    access: str | None
+    loginHost: str | None
+    loginPrivateIp: str | None
+    loginPublicIp: pulumi.Output[str] | None
+    bastionName: pulumi.Output[str] | None
+    keyVaultName: pulumi.Output[str] | None
+    sshCommand: pulumi.Output[str] | None               # the exact command that opens a shell on the login VM
+    nodeBootstrapScript: pulumi.Output[str] | None      # clusterMode none: run as root on each node you bring
 
 
 @dataclass
@@ -62,7 +74,8 @@ class Platform(pulumi.ComponentResource):
         super().__init__("tiered:platform:Platform", name, None, opts)
         s = args.settings
         invoke = pulumi.InvokeOutputOptions(parent=self)
-        subscription_id = authorization.get_client_config_output(opts=invoke).subscription_id
+        client = authorization.get_client_config_output(opts=invoke)
+        subscription_id = client.subscription_id
         rp_principal_id: pulumi.Input[str] = (
             s.rp_principal_object_id
             or azuread.get_service_principal_output(client_id=HPC_CACHE_RP_APP_ID, opts=invoke).object_id)
@@ -93,7 +106,9 @@ class Platform(pulumi.ComponentResource):
             "sizing": z.as_dict(),
             "computeResourceGroup": None, "amlfsName": None, "autoExportJobName": None, "mgsAddress": None,
             "mountCommand": None, "provisionedGBps": None, "nodeCount": None, "scaleSetName": None,
-            "nodeIdentityClientId": None,
+            "nodeIdentityClientId": None, "nodeIdentityId": None, "computeSubnetId": None,
+            "clusterMode": s.cluster_mode, "access": None, "loginHost": None, "loginPrivateIp": None, "loginPublicIp": None,
+            "bastionName": None, "keyVaultName": None, "sshCommand": None, "nodeBootstrapScript": None,
         }
         if s.compute_enabled and network is not None and compute_rg is not None:
             acc = Accelerator(f"{name}-amlfs", AcceleratorArgs(
@@ -102,13 +117,19 @@ class Platform(pulumi.ComponentResource):
                 logging_container_id=core.logging_container_id, grants_ready=core.grants_ready),
                 opts=pulumi.ResourceOptions(parent=self))
             toolkit = cloud_init.build_toolkit(args.repo_root, args.build_dir)
+            bastion: Bastion | None = None
+            if network.bastion_subnet_id is not None:
+                bastion = Bastion(f"{name}-bastion", BastionArgs(settings=s, resource_group_name=compute_rg.name,
+                                                               subnet_id=network.bastion_subnet_id),
+                                  opts=pulumi.ResourceOptions(parent=self))
             cluster = Cluster(f"{name}-gpu", ClusterArgs(
                 settings=s, subscription_id=subscription_id, resource_group_name=compute_rg.name,
                 resource_group_id=compute_rg.id, subnet_id=network.compute_subnet_id,
                 archive_blob_endpoint=core.blob_endpoint, data_container_name=core.data_container_name,
                 data_container_id=core.data_container_id, filesystem_id=acc.filesystem_id,
                 filesystem_name=acc.filesystem_name, autoexport_job_name=acc.autoexport_job_name,
-                mgs_address=acc.mgs_address, provisioned_gbps=acc.provisioned_gbps, toolkit=toolkit),
+                mgs_address=acc.mgs_address, provisioned_gbps=acc.provisioned_gbps, toolkit=toolkit,
+                tenant_id=client.tenant_id, bastion_name=bastion.host_name if bastion else None),
                 opts=pulumi.ResourceOptions(parent=self))
             out.update({
                 "computeResourceGroup": compute_rg.name,
@@ -120,6 +141,16 @@ class Platform(pulumi.ComponentResource):
                 "nodeCount": s.node_count,
                 "scaleSetName": cluster.scale_set_name,
                 "nodeIdentityClientId": cluster.identity_client_id,
+                "nodeIdentityId": cluster.identity_id,
+                "computeSubnetId": network.compute_subnet_id,
+                "access": s.access if s.cluster_mode == "slurm" else None,
+                "loginHost": cluster.login_host,
+                "loginPrivateIp": cluster.login_private_ip,
+                "loginPublicIp": cluster.login_public_ip,
+                "bastionName": bastion.host_name if bastion else None,
+                "keyVaultName": cluster.vault_name,
+                "sshCommand": cluster.ssh_command,
+                "nodeBootstrapScript": cluster.bootstrap_script,
             })
         self.outputs = out
         self.register_outputs(out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,7 +19,17 @@ NAMESPACE = "tiered"
 
 
 class SettingsError(Exception):
-    """A stack setting is invalid. `str(err)` is the whole message shown to the user."""
+    """Stack settings are invalid. `str(err)` is the whole message shown to the user: one line per problem,
+    each naming the key, the value and the fix; `problems` holds the lines one by one."""
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems or (message,)
+
+    @classmethod
+    def of(cls, errors: list[SettingsError]) -> SettingsError:
+        lines = tuple(line for e in errors for line in e.problems)
+        return cls("\n".join(lines), lines)
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,24 @@ GO_DURATION = re.compile(r"^(\d+h)?(\d+m)?(\d+s)?$")
 SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\.com) AAAA[0-9A-Za-z+/=]+( .*)?$")
 GUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
 MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+CLUSTER_MODES = ("slurm", "none")
+ACCESS_MODES = ("bastion", "public-ip", "none")
+# Sources that would open SSH to every address on the internet.
+OPEN_PREFIXES = ("0.0.0.0/0", "0.0.0.0", "::/0")
+# One InfiniBand placement group holds at most 100 VMs (ND scale sets keep a single placement group).
+MAX_NODES = 100
+# Azure Bastion needs a subnet named AzureBastionSubnet of /26 or larger (Bastion configuration settings).
+BASTION_MIN_PREFIX = 26
+# The login/controller VM runs slurmctld, sbatch and retention, nothing heavy: general-purpose sizes with
+# premium disks and accelerated networking (Azure docs, Dv5/Ddv5/Dasv5/Esv5 series).
+LOGIN_VM_SIZES = (
+    "Standard_D4s_v5", "Standard_D8s_v5", "Standard_D16s_v5", "Standard_D4ds_v5", "Standard_D8ds_v5", "Standard_D16ds_v5",
+    "Standard_D4as_v5", "Standard_D8as_v5", "Standard_D16as_v5", "Standard_E4s_v5", "Standard_E8s_v5", "Standard_E16s_v5",
+)
+# The toolkit's own service account/group (components/cloud_init.py creates it): never a training group.
+SERVICE_GROUP = "tiered-ckpt"
+RESERVED_NAMES = ("root", "admin", "slurm", "munge", SERVICE_GROUP)
 
 
 @dataclass(frozen=True)
@@ -124,11 +152,23 @@ class Settings:
     compute_subnet_cidr: str = key("computeSubnetCidr", "10.42.4.0/22",
         "GPU node subnet.")
     ssh_source_prefix: str = key("sshSourcePrefix", "VirtualNetwork",
-        "Only source allowed to SSH to the nodes: a CIDR or a service tag (VirtualNetwork = a jump host or Bastion in the VNet).")
+        "Source allowed to SSH to the cluster besides Bastion: a CIDR or a service tag (VirtualNetwork = VPN/peered networks); access public-ip needs your public CIDR.")
     ssh_public_key: str = key("sshPublicKey", "",
         "OpenSSH public key of the nodes' admin user (password login is disabled).")
     admin_username: str = key("adminUsername", "azureuser",
-        "Admin user on the GPU nodes.")
+        "Admin user on the login VM and the GPU nodes.")
+    cluster_mode: str = key("clusterMode", "slurm",
+        "slurm: a login/controller VM (slurmctld) and slurmd on every ND node; none: bring your own cluster (no VMs; storage, AMLFS, auto-export and a node bootstrap script).")
+    access: str = key("access", "bastion",
+        "Way in to the login VM: bastion (Azure Bastion Standard, native-client SSH), public-ip (login VM only, SSH from sshSourcePrefix) or none (VPN/peering).")
+    login_vm_size: str = key("loginVmSize", "Standard_D8s_v5",
+        "Size of the login/controller VM (a general-purpose size from the known list).")
+    bastion_subnet_cidr: str = key("bastionSubnetCidr", "10.42.1.0/26",
+        "AzureBastionSubnet (with access bastion): /26 or larger, inside vnetCidr.")
+    training_user: str = key("trainingUser", "",
+        "Linux user training jobs run as; empty = adminUsername. Owns the model checkpoint directory.")
+    training_group: str = key("trainingGroup", "training",
+        "Group of every training user; the checkpoint tree is group-writable and setgid to it, so every rank writes.")
     vm_size: str = key("vmSize", "Standard_ND96isr_H100_v5",
         "GPU node size; must be an ND-series size.")
     node_count: int = key("nodeCount", 1,
@@ -249,174 +289,251 @@ def _nearest_capacities(sku: Sku, tib: int) -> str:
     return f"{lower}" if lower == upper else f"{lower} or {upper}"
 
 
-def _check_storage(s: dict[str, Any]) -> None:
+# Each check below yields every problem it finds (one SettingsError per key) instead of stopping at the
+# first, so one `pulumi up` names everything to fix; it returns early only where a later test would be
+# meaningless without an earlier value (a capacity check needs a known SKU).
+Problems = Iterator[SettingsError]
+
+
+def _check_storage(s: dict[str, Any]) -> Problems:
     if s["storageSku"] not in STORAGE_SKUS:
-        raise _fail("storageSku", s["storageSku"], "is not a supported redundancy", f"use one of {', '.join(STORAGE_SKUS)}")
+        yield _fail("storageSku", s["storageSku"], "is not a supported redundancy", f"use one of {', '.join(STORAGE_SKUS)}")
     if not (1 <= s["softDeleteDays"] <= 365):
-        raise _fail("softDeleteDays", s["softDeleteDays"], "is outside 1-365", "set the blob soft delete retention in days, e.g. 14")
-    for name in ("coolAfterDays", "coldAfterDays", "deleteAfterDays"):
-        if s[name] < 0:
-            raise _fail(name, s[name], "is negative", "use a number of days, or 0 for never")
-    steps = [(n, s[n]) for n in ("coolAfterDays", "coldAfterDays", "deleteAfterDays") if s[n] > 0]
-    for (a, da), (b, db) in zip(steps, steps[1:], strict=False):
-        if db <= da:
-            raise _fail(b, db, f"is not after {_k(a)} ({da})", f"make {_k(b)} larger than {da}, or 0 for never")
+        yield _fail("softDeleteDays", s["softDeleteDays"], "is outside 1-365", "set the blob soft delete retention in days, e.g. 14")
+    negative = [n for n in ("coolAfterDays", "coldAfterDays", "deleteAfterDays") if s[n] < 0]
+    for name in negative:
+        yield _fail(name, s[name], "is negative", "use a number of days, or 0 for never")
+    if not negative:
+        steps = [(n, s[n]) for n in ("coolAfterDays", "coldAfterDays", "deleteAfterDays") if s[n] > 0]
+        for (a, da), (b, db) in zip(steps, steps[1:], strict=False):
+            if db <= da:
+                yield _fail(b, db, f"is not after {_k(a)} ({da})", f"make {_k(b)} larger than {da}, or 0 for never")
     prefix = s["checkpointPrefix"]
     if not prefix.startswith("/"):
-        raise _fail("checkpointPrefix", prefix, "is not an absolute path", "start it with '/', e.g. /checkpoints")
-    if prefix.strip("/") == "" or not re.fullmatch(r"/[A-Za-z0-9._/-]+", prefix) or "//" in prefix or ".." in prefix.split("/"):
-        raise _fail("checkpointPrefix", prefix, "is not a usable checkpoint directory", "use a path below the mount such as /checkpoints (letters, digits, . _ - /)")
+        yield _fail("checkpointPrefix", prefix, "is not an absolute path", "start it with '/', e.g. /checkpoints")
+    elif prefix.strip("/") == "" or not re.fullmatch(r"/[A-Za-z0-9._/-]+", prefix) or "//" in prefix or ".." in prefix.split("/"):
+        yield _fail("checkpointPrefix", prefix, "is not a usable checkpoint directory", "use a path below the mount such as /checkpoints (letters, digits, . _ - /)")
     if not MODEL.fullmatch(s["modelName"]):
-        raise _fail("modelName", s["modelName"], "is not a valid model directory name", "use letters, digits, '.', '_' or '-'")
+        yield _fail("modelName", s["modelName"], "is not a valid model directory name", "use letters, digits, '.', '_' or '-'")
 
 
-def _check_amlfs(s: dict[str, Any], stack: str) -> Sku:
+def _check_amlfs(s: dict[str, Any], stack: str) -> Problems:
     sku = SKUS.get(s["sku"])
     if sku is None:
-        raise _fail("sku", s["sku"], "is not an AMLFS SKU", f"use one of {', '.join(SKUS)}")
-    tib = s["capacityTiB"]
-    if tib < sku.min_tib:
-        raise _fail("capacityTiB", tib, f"is below the minimum of {sku.name} ({sku.min_tib} TiB)", f"use {sku.min_tib} or more, in steps of {sku.step_tib}")
-    if tib % sku.step_tib:
-        raise _fail("capacityTiB", tib, f"is not a multiple of {sku.name}'s step ({sku.step_tib} TiB)", f"use the nearest valid size: {_nearest_capacities(sku, tib)}")
-    if tib > sku.default_max_tib and not s["allowAboveDefaultMax"]:
-        raise _fail("capacityTiB", tib, f"is above {sku.name}'s default maximum ({sku.default_max_tib} TiB per subscription)",
-                    f"ask Azure support to raise the quota, then set {_k('allowAboveDefaultMax')} true; or use {sku.default_max_tib} or less")
+        yield _fail("sku", s["sku"], "is not an AMLFS SKU", f"use one of {', '.join(SKUS)}")
+    else:
+        tib = s["capacityTiB"]
+        if tib < sku.min_tib:
+            yield _fail("capacityTiB", tib, f"is below the minimum of {sku.name} ({sku.min_tib} TiB)", f"use {sku.min_tib} or more, in steps of {sku.step_tib}")
+        elif tib % sku.step_tib:
+            yield _fail("capacityTiB", tib, f"is not a multiple of {sku.name}'s step ({sku.step_tib} TiB)", f"use the nearest valid size: {_nearest_capacities(sku, tib)}")
+        elif tib > sku.default_max_tib and not s["allowAboveDefaultMax"]:
+            yield _fail("capacityTiB", tib, f"is above {sku.name}'s default maximum ({sku.default_max_tib} TiB per subscription)",
+                        f"ask Azure support to raise the quota, then set {_k('allowAboveDefaultMax')} true; or use {sku.default_max_tib} or less")
     if s["maintenanceDay"] not in DAYS:
-        raise _fail("maintenanceDay", s["maintenanceDay"], "is not a day of the week", f"use one of {', '.join(DAYS)}")
+        yield _fail("maintenanceDay", s["maintenanceDay"], "is not a day of the week", f"use one of {', '.join(DAYS)}")
     if not TIME_OF_DAY.fullmatch(s["maintenanceTimeUtc"]):
-        raise _fail("maintenanceTimeUtc", s["maintenanceTimeUtc"], "is not a time of day", "use HH:MM in UTC, 24-hour clock, e.g. 02:00")
+        yield _fail("maintenanceTimeUtc", s["maintenanceTimeUtc"], "is not a time of day", "use HH:MM in UTC, 24-hour clock, e.g. 02:00")
     if s["rootSquash"] not in SQUASH_MODES:
-        raise _fail("rootSquash", s["rootSquash"], "is not a root squash mode", f"use one of {', '.join(SQUASH_MODES)}")
+        yield _fail("rootSquash", s["rootSquash"], "is not a root squash mode", f"use one of {', '.join(SQUASH_MODES)}")
     for name in (f"{s['namePrefix']}-{stack}-amlfs", f"{s['namePrefix']}-{stack}-autoexport"):
         if not AMLFS_NAME.fullmatch(name):
-            raise SettingsError(f"stack name {stack!r}: the derived name {name!r} does not match the API pattern {AMLFS_NAME.pattern}; "
+            yield SettingsError(f"stack name {stack!r}: the derived name {name!r} does not match the API pattern {AMLFS_NAME.pattern}; "
                                 "use a stack name of letters, digits and '-' (at most 60 characters)")
-    return sku
+            break
 
 
-def _check_network(s: dict[str, Any], capacity_tib: int) -> None:
-    vnet = _network("vnetCidr", s["vnetCidr"])
-    amlfs = _network("amlfsSubnetCidr", s["amlfsSubnetCidr"])
-    compute = _network("computeSubnetCidr", s["computeSubnetCidr"])
-    for name, net in (("amlfsSubnetCidr", amlfs), ("computeSubnetCidr", compute)):
-        if not net.subnet_of(vnet):
-            raise _fail(name, str(net), f"is not inside {_k('vnetCidr')} ({vnet})", f"pick a range inside {vnet}")
-    if amlfs.overlaps(compute):
-        raise _fail("computeSubnetCidr", str(compute), f"overlaps {_k('amlfsSubnetCidr')} ({amlfs})", "give the two subnets disjoint ranges; AMLFS needs a subnet of its own")
-    need = subnets.required_prefix(capacity_tib)
-    if amlfs.prefixlen > need:
-        raise _fail("amlfsSubnetCidr", str(amlfs), f"is too small for {capacity_tib} TiB (Microsoft recommends /{need} or larger)",
-                    f"use a /{need} or larger, e.g. {subnets.example(vnet, need, avoid=compute)}")
-    src = s["sshSourcePrefix"]
+def _networks(s: dict[str, Any], names: tuple[str, ...]) -> tuple[dict[str, ipaddress.IPv4Network], list[SettingsError]]:
+    nets: dict[str, ipaddress.IPv4Network] = {}
+    problems: list[SettingsError] = []
+    for name in names:
+        try:
+            nets[name] = _network(name, s[name])
+        except SettingsError as err:
+            problems.append(err)
+    return nets, problems
+
+
+def _check_ssh_source(s: dict[str, Any]) -> Problems:
+    src, access = s["sshSourcePrefix"], s["access"]
     if not src:
-        raise _fail("sshSourcePrefix", src, "is empty", "set the CIDR (or service tag, e.g. VirtualNetwork) SSH may come from")
+        yield _fail("sshSourcePrefix", src, "is empty", "set the CIDR (or service tag, e.g. VirtualNetwork) SSH may come from")
+        return
+    if src in ("*", "Internet", "Any") or src in OPEN_PREFIXES:
+        yield _fail("sshSourcePrefix", src, "opens SSH to the whole internet", "use your admin network's CIDR, e.g. 203.0.113.0/24")
+        return
     if re.fullmatch(r"[0-9./]+", src):
         try:
             ipaddress.ip_network(src, strict=False)
         except ValueError:
-            raise _fail("sshSourcePrefix", src, "is not an IP range", "use a CIDR such as 203.0.113.0/24 or a service tag such as VirtualNetwork") from None
-        if src in ("0.0.0.0/0", "0.0.0.0"):
-            raise _fail("sshSourcePrefix", src, "opens SSH to the whole internet", "use your admin network's CIDR or VirtualNetwork")
-    elif src in ("*", "Internet", "Any"):
-        raise _fail("sshSourcePrefix", src, "opens SSH to the whole internet", "use your admin network's CIDR or VirtualNetwork")
+            yield _fail("sshSourcePrefix", src, "is not an IP range", "use a CIDR such as 203.0.113.0/24 or a service tag such as VirtualNetwork")
     elif not re.fullmatch(r"[A-Za-z][A-Za-z0-9.]*", src):
-        raise _fail("sshSourcePrefix", src, "is neither a CIDR nor a service tag", "use e.g. 203.0.113.0/24 or VirtualNetwork")
+        yield _fail("sshSourcePrefix", src, "is neither a CIDR nor a service tag", "use e.g. 203.0.113.0/24 or VirtualNetwork")
+    elif access == "public-ip":
+        # A public IP is reached from the internet: the NSG must name the admins' own addresses.
+        yield _fail("sshSourcePrefix", src, "is a service tag, but access public-ip needs the CIDR your admins connect from",
+                    "pulumi config set tiered:sshSourcePrefix <your public CIDR, e.g. 203.0.113.0/24>, or use tiered:access bastion")
 
 
-def _check_cluster(s: dict[str, Any]) -> None:
+def _check_network(s: dict[str, Any], capacity_tib: int) -> Problems:
+    # An unknown clusterMode is reported by _check_modes; the checks below then treat it as slurm (the
+    # default) so the rest of the stack's problems still show.
+    ours = s["clusterMode"] != "none"
+    bastion = s["access"] == "bastion" and ours
+    names = ("vnetCidr", "amlfsSubnetCidr", "computeSubnetCidr") + (("bastionSubnetCidr",) if bastion else ())
+    nets, problems = _networks(s, names)
+    yield from problems
+    vnet = nets.get("vnetCidr")
+    subs = {n: nets[n] for n in names[1:] if n in nets}
+    if vnet is not None:
+        for name, net in subs.items():
+            if not net.subnet_of(vnet):
+                yield _fail(name, str(net), f"is not inside {_k('vnetCidr')} ({vnet})", f"pick a range inside {vnet}")
+    order = list(subs.items())
+    for i, (a, na) in enumerate(order):
+        for b, nb in order[i + 1:]:
+            if na.overlaps(nb):
+                yield _fail(b, str(nb), f"overlaps {_k(a)} ({na})", "give the subnets disjoint ranges; AMLFS and Bastion each need a subnet of their own")
+    amlfs, compute = subs.get("amlfsSubnetCidr"), subs.get("computeSubnetCidr")
+    need = subnets.required_prefix(capacity_tib)
+    if amlfs is not None and amlfs.prefixlen > need:
+        yield _fail("amlfsSubnetCidr", str(amlfs), f"is too small for {capacity_tib} TiB (Microsoft recommends /{need} or larger)",
+                    f"use a /{need} or larger, e.g. {subnets.example(vnet, need, avoid=compute) if vnet else f'a /{need}'}")
+    bas = subs.get("bastionSubnetCidr")
+    if bas is not None and bas.prefixlen > BASTION_MIN_PREFIX:
+        # Azure Bastion: "AzureBastionSubnet ... subnet size must be /26 or larger" (Bastion configuration settings).
+        yield _fail("bastionSubnetCidr", str(bas), f"is smaller than the /{BASTION_MIN_PREFIX} Azure Bastion requires",
+                    f"use a /{BASTION_MIN_PREFIX} or larger inside {_k('vnetCidr')}")
+    if ours:
+        yield from _check_ssh_source(s)
+
+
+def _check_cluster(s: dict[str, Any]) -> Problems:
     size = s["vmSize"]
     if not re.fullmatch(r"Standard_ND\w+", size):
-        raise _fail("vmSize", size, "is not an ND-series size (InfiniBand GPU nodes)", f"use an ND size such as {', '.join(ND_ETHERNET_GBITS)}")
-    if s["nodeCount"] < 1:
-        raise _fail("nodeCount", s["nodeCount"], "is below 1", f"deploy at least one node, or set {_k('computeEnabled')} false to remove the compute side")
-    if s["nodeCount"] > 100:
-        raise _fail("nodeCount", s["nodeCount"], "exceeds 100 nodes, the limit of one InfiniBand placement group", "use at most 100 nodes per stack")
-    if s["nodeEthernetGbps"] < 0:
-        raise _fail("nodeEthernetGbps", s["nodeEthernetGbps"], "is negative", "use 0 (known value for the VM size) or the Gbit/s of the size's Ethernet")
-    if s["nodeEthernetGbps"] == 0 and size not in ND_ETHERNET_GBITS:
-        raise _fail("nodeEthernetGbps", 0, f"leaves the Ethernet bandwidth of {size} unknown",
+        yield _fail("vmSize", size, "is not an ND-series size (InfiniBand GPU nodes)", f"use an ND size such as {', '.join(ND_ETHERNET_GBITS)}")
+    elif s["nodeEthernetGbps"] == 0 and size not in ND_ETHERNET_GBITS:
+        yield _fail("nodeEthernetGbps", 0, f"leaves the Ethernet bandwidth of {size} unknown",
                     f"set {_k('nodeEthernetGbps')} to its Gbit/s from the Azure size page")
+    if s["nodeCount"] < 1:
+        yield _fail("nodeCount", s["nodeCount"], "is below 1", f"deploy at least one node, or set {_k('computeEnabled')} false to remove the compute side")
+    if s["nodeCount"] > MAX_NODES:
+        yield _fail("nodeCount", s["nodeCount"], f"exceeds {MAX_NODES} nodes, the limit of one InfiniBand placement group", f"use at most {MAX_NODES} nodes per stack")
+    if s["nodeEthernetGbps"] < 0:
+        yield _fail("nodeEthernetGbps", s["nodeEthernetGbps"], "is negative", "use 0 (known value for the VM size) or the Gbit/s of the size's Ethernet")
+    if s["clusterMode"] == "none":
+        return      # no VM of ours: no login size, no SSH key, no admin user to check
+    if s["loginVmSize"] not in LOGIN_VM_SIZES:
+        yield _fail("loginVmSize", s["loginVmSize"], "is not a known general-purpose size for the login/controller VM",
+                    f"use one of {', '.join(LOGIN_VM_SIZES)}")
     key = s["sshPublicKey"].strip()
     if not SSH_KEY.fullmatch(key):
         shown = key[:24] + "..." if len(key) > 24 else key
         if "PRIVATE KEY" in key:
-            raise SettingsError(f"{_k('sshPublicKey')}: holds a private key; set the PUBLIC key: pulumi config set {_k('sshPublicKey')} \"$(cat ~/.ssh/id_ed25519.pub)\"")
-        raise _fail("sshPublicKey", shown, "is not an OpenSSH public key", f"pulumi config set {_k('sshPublicKey')} \"$(cat ~/.ssh/id_ed25519.pub)\"")
-    if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", s["adminUsername"]) or s["adminUsername"] in ("root", "admin"):
-        raise _fail("adminUsername", s["adminUsername"], "is not an allowed Linux user name", "use lowercase letters/digits, not root or admin, e.g. azureuser")
+            yield SettingsError(f"{_k('sshPublicKey')}: holds a private key; set the PUBLIC key: pulumi config set {_k('sshPublicKey')} \"$(cat ~/.ssh/id_ed25519.pub)\"")
+        else:
+            yield _fail("sshPublicKey", shown, "is not an OpenSSH public key", f"pulumi config set {_k('sshPublicKey')} \"$(cat ~/.ssh/id_ed25519.pub)\"")
+    if not _linux_name(s["adminUsername"]):
+        yield _fail("adminUsername", s["adminUsername"], "is not an allowed Linux user name", "use lowercase letters/digits, not root or admin, e.g. azureuser")
 
 
-def _check_toolkit(s: dict[str, Any]) -> None:
+def _linux_name(name: str) -> bool:
+    return bool(re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", name)) and name not in RESERVED_NAMES
+
+
+def _check_modes(s: dict[str, Any]) -> Problems:
+    if s["clusterMode"] not in CLUSTER_MODES:
+        yield _fail("clusterMode", s["clusterMode"], "is not a cluster mode",
+                    "use slurm (login/controller VM + ND nodes running Slurm) or none (bring your own cluster: storage and AMLFS only, plus a node bootstrap script)")
+    if s["access"] not in ACCESS_MODES:
+        yield _fail("access", s["access"], "is not a way in", "use bastion (Azure Bastion, native-client SSH), public-ip (the login VM only, SSH from tiered:sshSourcePrefix) or none")
+    user, group = s["trainingUser"], s["trainingGroup"]
+    if user and not _linux_name(user):
+        yield _fail("trainingUser", user, "is not an allowed Linux user name", "use lowercase letters/digits (not root), or leave it empty to train as tiered:adminUsername")
+    if not _linux_name(group) or group == SERVICE_GROUP:
+        yield _fail("trainingGroup", group, "is not an allowed Linux group name for training users",
+                    f"use lowercase letters/digits other than root or {SERVICE_GROUP}, e.g. training")
+
+
+def _check_toolkit(s: dict[str, Any]) -> Problems:
     for name, minimum in (("retentionKeepLast", 1), ("retentionMinKeep", 1), ("retentionKeepEverySteps", 0)):
         if s[name] < minimum:
-            raise _fail(name, s[name], f"is below {minimum}", f"set a whole number >= {minimum}")
+            yield _fail(name, s[name], f"is below {minimum}", f"set a whole number >= {minimum}")
     if s["retentionAction"] not in RETENTION_ACTIONS:
-        raise _fail("retentionAction", s["retentionAction"], "is not a retention action", "use release or delete")
+        yield _fail("retentionAction", s["retentionAction"], "is not a retention action", "use release or delete")
     if not re.fullmatch(r"[0-9A-Za-z*:/,. -]+", s["retentionSchedule"]):
-        raise _fail("retentionSchedule", s["retentionSchedule"], "is not a systemd OnCalendar expression", "use e.g. *:0/15 or hourly")
+        yield _fail("retentionSchedule", s["retentionSchedule"], "is not a systemd OnCalendar expression", "use e.g. *:0/15 or hourly")
 
 
-def _check_common(s: dict[str, Any]) -> float:
+def _check_common(s: dict[str, Any]) -> Problems:
     if not NAME_PREFIX.fullmatch(s["namePrefix"]):
-        raise _fail("namePrefix", s["namePrefix"], "does not match ^[a-z][a-z0-9]{1,9}$ (it is part of the storage account name)",
+        yield _fail("namePrefix", s["namePrefix"], "does not match ^[a-z][a-z0-9]{1,9}$ (it is part of the storage account name)",
                     "use 2-10 lowercase letters and digits, starting with a letter")
     if not re.fullmatch(r"[a-z0-9]+", s["location"]):
-        raise _fail("location", s["location"], "is not an Azure region name", "use the short name, e.g. eastus, southcentralus")
+        yield _fail("location", s["location"], "is not an Azure region name", "use the short name, e.g. eastus, southcentralus")
     if s["zone"] not in ("1", "2", "3"):
-        raise _fail("zone", s["zone"], "is not an availability zone", "use 1, 2 or 3 (AMLFS lives in one zone; the nodes follow it)")
+        yield _fail("zone", s["zone"], "is not an availability zone", "use 1, 2 or 3 (AMLFS lives in one zone; the nodes follow it)")
     for name in ("checkpointSizeGiB", "checkpointIntervalSeconds", "blobJobWaitMinutes"):
         if s[name] < 1:
-            raise _fail(name, s[name], "is below 1", "set a positive whole number")
-    try:
-        gbps = float(s["dataMoverGBps"])
-    except ValueError:
-        gbps = -1.0
-    if not gbps > 0:
-        raise _fail("dataMoverGBps", s["dataMoverGBps"], "is not a positive rate", "use GB/s, e.g. 7.5")
+            yield _fail(name, s[name], "is below 1", "set a positive whole number")
+    if _rate(s["dataMoverGBps"]) is None:
+        yield _fail("dataMoverGBps", s["dataMoverGBps"], "is not a positive rate", "use GB/s, e.g. 7.5")
     dur = s["roleWaitDuration"]
     if not dur or not GO_DURATION.fullmatch(dur):
-        raise _fail("roleWaitDuration", dur, "is not a duration", "use e.g. 5m, 90s or 1m30s (role grants take up to 5 minutes to apply)")
+        yield _fail("roleWaitDuration", dur, "is not a duration", "use e.g. 5m, 90s or 1m30s (role grants take up to 5 minutes to apply)")
     oid = s["rpPrincipalObjectId"]
     if oid and not GUID.fullmatch(oid):
-        raise _fail("rpPrincipalObjectId", oid, "is not an object ID (GUID)",
+        yield _fail("rpPrincipalObjectId", oid, "is not an object ID (GUID)",
                     "leave it empty to look it up, or use: az ad sp show --id 4392ab71-2ce2-4b0d-8770-b352745c73f5 --query id -o tsv")
-    return gbps
+
+
+def _rate(value: str) -> float | None:
+    try:
+        gbps = float(value)
+    except ValueError:
+        return None
+    return gbps if gbps > 0 else None
 
 
 def load(raw: Mapping[str, Any], stack: str) -> Settings:
     """Build validated Settings from config values keyed by bare or `tiered:`-qualified names.
 
-    Unset keys take the SCHEMA default. Raises SettingsError naming key, value and fix.
+    Unset keys take the SCHEMA default. Raises SettingsError naming key, value and fix: one line per
+    problem, every problem of the stack at once (`err.problems` holds them one by one).
     """
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", stack):
+        raise SettingsError(f"stack name {stack!r}: must be letters, digits, '-', '_' or '.'; create a stack with such a name")
+    problems: list[SettingsError] = []
     values: dict[str, Any] = {}
     for full, value in raw.items():
         name = full.split(":", 1)[1] if full.startswith(NAMESPACE + ":") else full
         if ":" in name:
             continue  # provider settings such as azure-native:location are not ours
         if name not in SCHEMA_BY_NAME:
-            raise SettingsError(f"{_k(name)}: unknown setting; check the spelling against Pulumi.yaml (known: {', '.join(sorted(SCHEMA_BY_NAME))})")
+            problems.append(SettingsError(f"{_k(name)}: unknown setting; check the spelling against Pulumi.yaml (known: {', '.join(sorted(SCHEMA_BY_NAME))})"))
+            continue
         values[name] = value
     s: dict[str, Any] = {}
     for key in SCHEMA:
-        s[key.name] = _coerce(key, values.get(key.name, key.default))
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", stack):
-        raise SettingsError(f"stack name {stack!r}: must be letters, digits, '-', '_' or '.'; create a stack with such a name")
+        try:
+            s[key.name] = _coerce(key, values.get(key.name, key.default))
+        except SettingsError as err:
+            problems.append(err)
+            s[key.name] = _coerce(key, key.default)   # go on with the default so the other checks still run
 
-    gbps = _check_common(s)
-    _check_storage(s)
-    _check_toolkit(s)
-    sku = _check_amlfs(s, stack)
+    problems += [*_check_common(s), *_check_storage(s), *_check_toolkit(s), *_check_amlfs(s, stack), *_check_modes(s)]
     if s["computeEnabled"]:
-        _check_network(s, s["capacityTiB"])
-        _check_cluster(s)
+        problems += [*_check_network(s, s["capacityTiB"]), *_check_cluster(s)]
+    if problems:
+        raise SettingsError.of(problems)
     # Values that validation turned into richer types, or that have derived defaults.
     derived: dict[str, Any] = {
-        "sku": sku,
-        "data_mover_gbps": gbps,
+        "sku": SKUS[s["sku"]],
+        "data_mover_gbps": _rate(s["dataMoverGBps"]),
         "ssh_public_key": s["sshPublicKey"].strip(),
         "checkpoint_prefix": s["checkpointPrefix"].rstrip("/"),
         "node_ethernet_gbps": s["nodeEthernetGbps"] or ND_ETHERNET_GBITS.get(s["vmSize"], 0),
+        "training_user": s["trainingUser"] or s["adminUsername"],
     }
     settings = Settings(stack=stack, **{k.field: derived.get(k.field, s[k.name]) for k in SCHEMA})
     if settings.compute_enabled:
@@ -427,13 +544,16 @@ def load(raw: Mapping[str, Any], stack: str) -> Settings:
 def check_sizing(s: Settings) -> sizing.Sizing:
     """Refuse settings whose archive cannot keep up or whose retention set does not fit."""
     z = sizing.compute(s)
+    problems: list[SettingsError] = []
     if not z.archive_keeps_up and not s.allow_archive_backlog:
-        raise SettingsError(
+        problems.append(SettingsError(
             f"tiered:checkpointIntervalSeconds: {s.checkpoint_interval_seconds} is shorter than the {z.archive_seconds:.0f} s "
             f"it takes to archive one {s.checkpoint_size_gib} GiB checkpoint at {s.data_mover_gbps:g} GB/s, so the export backlog grows "
-            f"without bound; checkpoint every {math.ceil(z.archive_seconds)} s or more, or set tiered:allowArchiveBacklog true")
+            f"without bound; checkpoint every {math.ceil(z.archive_seconds)} s or more, or set tiered:allowArchiveBacklog true"))
     if not z.capacity_ok:
-        raise SettingsError(
+        problems.append(SettingsError(
             f"tiered:capacityTiB: {s.capacity_tib} cannot hold the resident retention set ({z.resident_checkpoints} x "
-            f"{s.checkpoint_size_gib} GiB = {z.resident_tib:.1f} TiB); raise capacityTiB or lower tiered:retentionKeepLast")
+            f"{s.checkpoint_size_gib} GiB = {z.resident_tib:.1f} TiB); raise capacityTiB or lower tiered:retentionKeepLast"))
+    if problems:
+        raise SettingsError.of(problems)
     return z

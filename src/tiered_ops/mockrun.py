@@ -26,6 +26,8 @@ MOCK_SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 MOCK_TENANT = "00000000-0000-0000-0000-0000000000bb"
 MOCK_RP_OBJECT_ID = "00000000-0000-0000-0000-0000000000cc"
 MOCK_MGS = "10.42.0.4"
+MOCK_PUBLIC_IP = "198.51.100.7"           # a documentation address (RFC 5737)
+MOCK_STAMP = 1767225600                   # time:Static's unix seconds
 WAIT_TYPE = "pulumi-python:dynamic/tiered:WaitForBlobJobs"
 # Used by the offline preview only when the stack has no sshPublicKey (it is per operator); flagged in the output.
 PREVIEW_SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPreviewOnlyPlaceholderNotARealKeyxxxxxxxxxx preview-placeholder"
@@ -48,6 +50,8 @@ class Res:
     timeouts: dict[str, str]
     id: str = ""
     state: dict[str, Any] = field(default_factory=dict)
+    replace_on_changes: list[str] = field(default_factory=list)
+    delete_before_replace: bool = False
 
 
 @dataclass
@@ -141,6 +145,10 @@ def _arm_id(typ: str, name: str, inputs: dict[str, Any]) -> str:
         "azure-native:storagecache:AutoExportJob": f"{rg}/providers/Microsoft.StorageCache/amlFilesystems/{inputs.get('amlFilesystemName')}/autoExportJobs/{name}",
         "azure-native:managedidentity:UserAssignedIdentity": f"{rg}/providers/Microsoft.ManagedIdentity/userAssignedIdentities/{name}",
         "azure-native:compute:VirtualMachineScaleSet": f"{rg}/providers/Microsoft.Compute/virtualMachineScaleSets/{name}",
+        "azure-native:compute:VirtualMachine": f"{rg}/providers/Microsoft.Compute/virtualMachines/{name}",
+        "azure-native:network:NetworkInterface": f"{rg}/providers/Microsoft.Network/networkInterfaces/{name}",
+        "azure-native:network:BastionHost": f"{rg}/providers/Microsoft.Network/bastionHosts/{name}",
+        "azure-native:keyvault:Vault": f"{rg}/providers/Microsoft.KeyVault/vaults/{name}",
         "azure-native:authorization:RoleAssignment": f"{inputs.get('scope', sub)}/providers/Microsoft.Authorization/roleAssignments/{_guid(name)}",
         "azure-native:authorization:RoleDefinition": f"{sub}/providers/Microsoft.Authorization/roleDefinitions/{_guid(name)}",
     }
@@ -153,7 +161,9 @@ def _mock_state(typ: str, logical: str, inputs: dict[str, Any]) -> tuple[str, di
     name_key = {"azure-native:storage:StorageAccount": "accountName", "azure-native:storage:BlobContainer": "containerName",
                 "azure-native:storage:Blob": "blobName", "azure-native:storagecache:AmlFilesystem": "amlFilesystemName",
                 "azure-native:storagecache:AutoExportJob": "autoExportJobName",
-                "azure-native:resources:ResourceGroup": "resourceGroupName"}.get(typ)
+                "azure-native:resources:ResourceGroup": "resourceGroupName",
+                "azure-native:compute:VirtualMachine": "vmName", "azure-native:network:BastionHost": "bastionHostName",
+                "azure-native:keyvault:Vault": "vaultName", "azure-native:network:Subnet": "subnetName"}.get(typ)
     name = str(inputs.get(name_key) or logical) if name_key else logical
     state = dict(inputs)
     state["name"] = name
@@ -168,12 +178,16 @@ def _mock_state(typ: str, logical: str, inputs: dict[str, Any]) -> tuple[str, di
     elif typ == "azure-native:managedidentity:UserAssignedIdentity":
         state["clientId"] = _guid(name, "client")
         state["principalId"] = _guid(name, "principal")
-    elif typ == "azure-native:compute:VirtualMachineScaleSet":
+    elif typ in ("azure-native:compute:VirtualMachineScaleSet", "azure-native:compute:VirtualMachine"):
         # ARM answers userAssignedIdentities as a map keyed by identity ID (the request sends a list).
         ident = dict(inputs.get("identity") or {})
         ident["userAssignedIdentities"] = {i: {"clientId": _guid(i, "client"), "principalId": _guid(i, "principal")}
                                            for i in ident.get("userAssignedIdentities") or []}
         state["identity"] = ident
+    elif typ == "azure-native:network:PublicIPAddress":
+        state["ipAddress"] = MOCK_PUBLIC_IP
+    elif typ == "time:index/static:Static":
+        state["unix"] = MOCK_STAMP
     elif typ == WAIT_TYPE:
         state["import_states"] = ["Completed"]
     return _arm_id(typ, name, inputs), state
@@ -218,7 +232,8 @@ def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str],
                     type=request.type, name=request.name, urn=urn, parent=request.parent, custom=bool(request.custom),
                     inputs=rpc.deserialize_properties(request.object) if request.custom else {},
                     deps=list(request.dependencies), protect=bool(request.protect),
-                    timeouts={k: v for k, v in (("create", t.create), ("update", t.update), ("delete", t.delete)) if v})
+                    timeouts={k: v for k, v in (("create", t.create), ("update", t.update), ("delete", t.delete)) if v},
+                    replace_on_changes=list(request.replaceOnChanges), delete_before_replace=bool(request.deleteBeforeReplace))
             return super().RegisterResource(request)
 
     set_all_config(config)

@@ -90,6 +90,23 @@ def key_properties(r: Res) -> str:
                  "passwordAuth": not _get(vm, "osProfile", "linuxConfiguration", "disablePasswordAuthentication"),
                  "publicIp": any("publicIPAddressConfiguration" in c for c in nic.get("ipConfigurations") or []),
                  "customDataB64": len(_get(vm, "osProfile", "customData") or "")}
+    elif t == "VirtualMachine":
+        linux = _get(i, "osProfile", "linuxConfiguration") or {}
+        parts = {"size": _get(i, "hardwareProfile", "vmSize"), "zones": ",".join(i.get("zones") or []),
+                 "image": ":".join(str(_get(i, "storageProfile", "imageReference", k)) for k in ("publisher", "offer", "sku")),
+                 "identities": len(_get(i, "identity", "userAssignedIdentities") or []),
+                 "passwordAuth": not linux.get("disablePasswordAuthentication"),
+                 "customDataB64": len(_get(i, "osProfile", "customData") or "")}
+    elif t == "NetworkInterface":
+        ipc = (i.get("ipConfigurations") or [{}])[0]
+        parts = {"privateIp": ipc.get("privateIPAddress"), "allocation": ipc.get("privateIPAllocationMethod"),
+                 "publicIp": bool(ipc.get("publicIPAddress")), "acceleratedNetworking": i.get("enableAcceleratedNetworking")}
+    elif t == "BastionHost":
+        parts = {"name": i.get("bastionHostName"), "sku": _get(i, "sku", "name"), "nativeClient": i.get("enableTunneling")}
+    elif t == "Vault":
+        p = i.get("properties") or {}
+        parts = {"rbac": p.get("enableRbacAuthorization"), "network": _get(p, "networkAcls", "defaultAction"),
+                 "subnets": len(_get(p, "networkAcls", "virtualNetworkRules") or []), "softDeleteDays": p.get("softDeleteRetentionInDays")}
     elif r.type == mockrun.WAIT_TYPE:
         parts = {"waits for": "no import/archive job on " + str(i.get("filesystem")), "timeout_s": i.get("timeout_s")}
     return "  ".join(f"{k}={_fmt(v)}" for k, v in parts.items() if v not in (None, ""))
@@ -142,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in custom:
             if r.parent == comp.urn:
                 print(f"  + {r.type.removeprefix('azure-native:'):<40} {r.name:<40} {key_properties(r)}")
+    o = result.outputs
+    if o.get("sshCommand"):
+        print(f"\nway in ({o.get('access')}): {o['sshCommand']}")
+    if o.get("nodeBootstrapScript"):
+        print(f"\nclusterMode none: stack output nodeBootstrapScript ({len(o['nodeBootstrapScript'])} bytes), "
+              "run as root on each node of your cluster (see docs/deploy.md)")
     if z:
         print("\nsizing:")
         for label, value in sizing.report(sizing.Sizing(**z)):

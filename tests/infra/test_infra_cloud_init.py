@@ -30,8 +30,13 @@ SECRET_PATTERNS = [
 
 
 def custom_data(p: mockrun.PreviewResult) -> bytes:
+    """The ND nodes' custom data."""
     vmss = p.one("azure-native:compute:VirtualMachineScaleSet")
     return base64.b64decode(vmss.inputs["virtualMachineProfile"]["osProfile"]["customData"])
+
+
+def login_data(p: mockrun.PreviewResult) -> bytes:
+    return base64.b64decode(p.one("azure-native:compute:VirtualMachine", "login").inputs["osProfile"]["customData"])
 
 
 def schema_check(text: bytes, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -44,14 +49,15 @@ def schema_check(text: bytes, tmp_path: Path) -> subprocess.CompletedProcess[str
 
 @pytest.mark.parametrize("stack", ["prod", "dev"])
 def test_custom_data_passes_cloud_init_schema_size_and_secret_checks(plan: Plan, stack: str, tmp_path: Path) -> None:
-    raw = custom_data(plan(stack))
-    r = schema_check(raw, tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "Valid cloud-config" in r.stdout
-    assert len(raw) <= cloud_init.CUSTOM_DATA_LIMIT
-    text = raw.decode()
-    for pat in SECRET_PATTERNS:
-        assert not re.search(pat, text, re.IGNORECASE), pat
+    p = plan(stack)
+    for raw in (custom_data(p), login_data(p)):
+        r = schema_check(raw, tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "Valid cloud-config" in r.stdout
+        assert len(raw) <= cloud_init.CUSTOM_DATA_LIMIT
+        text = raw.decode()
+        for pat in SECRET_PATTERNS:
+            assert not re.search(pat, text, re.IGNORECASE), pat
 
 
 def test_schema_check_catches_a_broken_document(tmp_path: Path) -> None:
@@ -69,7 +75,7 @@ def test_custom_data_mounts_amlfs_installs_toolkit_and_timer(plan: Plan) -> None
     assert "apt-mark hold" in boot and "modinfo lustre" in boot and '"$pkg=$(uname -r)"' in boot
     assert doc["runcmd"] == [["/usr/local/sbin/tiered-ckpt-bootstrap"]]
     # Toolkit: fetched with the node's managed identity via IMDS, verified by sha256 before install.
-    uami = p.one("azure-native:managedidentity:UserAssignedIdentity")
+    uami = p.one("azure-native:managedidentity:UserAssignedIdentity", "gpu-identity")
     blob = p.one("azure-native:storage:Blob")
     tools = p.one("azure-native:storage:StorageAccount", "tools")
     assert f"client_id={uami.state['clientId']}" in boot and "169.254.169.254/metadata/identity/oauth2/token" in boot
@@ -78,10 +84,14 @@ def test_custom_data_mounts_amlfs_installs_toolkit_and_timer(plan: Plan) -> None
     uploaded = Path(blob.inputs["source"].path).read_bytes()       # the FileAsset the blob is created from
     assert sha and sha.group(1) == hashlib.sha256(uploaded).hexdigest()
     assert "/opt/tiered-ckpt/bin/pip install" in boot
-    service = files["/etc/systemd/system/tiered-ckpt-retention.service"]["content"]
+    # Retention runs once per cluster: the timer is on the login VM, never on an ND node.
+    assert not any("retention" in path for path in files)
+    assert "tiered-ckpt-retention.timer" not in boot
+    login = {f["path"]: f for f in yaml.safe_load(login_data(p))["write_files"]}
+    service = login["/etc/systemd/system/tiered-ckpt-retention.service"]["content"]
     assert "ExecStart=/opt/tiered-ckpt/bin/tiered-ckpt retention apply --json" in service
-    assert "OnCalendar=*:0/15" in files["/etc/systemd/system/tiered-ckpt-retention.timer"]["content"]
-    assert "systemctl enable --now tiered-ckpt-retention.timer" in boot
+    assert "OnCalendar=*:0/15" in login["/etc/systemd/system/tiered-ckpt-retention.timer"]["content"]
+    assert "systemctl enable --now tiered-ckpt-retention.timer" in login["/usr/local/sbin/tiered-ckpt-bootstrap"]["content"]
 
 
 def test_node_config_is_the_toolkits_own_schema_with_deployment_values(plan: Plan, tmp_path: Path) -> None:
@@ -96,7 +106,7 @@ def test_node_config_is_the_toolkits_own_schema_with_deployment_values(plan: Pla
     assert cfg.archive.account_url == o["storageAccountUrl"].rstrip("/")
     assert cfg.archive.container == o["dataContainer"] and cfg.archive.prefix == "checkpoints"
     assert cfg.archive.connection_string is None
-    assert cfg.archive.managed_identity_client_id == p.one("azure-native:managedidentity:UserAssignedIdentity").state["clientId"]
+    assert cfg.archive.managed_identity_client_id == p.one("azure-native:managedidentity:UserAssignedIdentity", "gpu-identity").state["clientId"]
     assert (cfg.amlfs.subscription_id, cfg.amlfs.resource_group, cfg.amlfs.filesystem, cfg.amlfs.autoexport_job) == (
         o["subscriptionId"], o["computeResourceGroup"], o["amlfsName"], o["autoExportJobName"])
     assert cfg.amlfs.provisioned_gbps == 64.0 and cfg.amlfs.mount == "/lustrefs"
@@ -120,6 +130,16 @@ def test_custom_data_size_does_not_grow_with_the_toolkit(tmp_path: Path) -> None
     text = cloud_init.render(_inputs())
     assert len(text.encode()) < cloud_init.CUSTOM_DATA_LIMIT // 4
     assert schema_check(text.encode(), tmp_path).returncode == 0
+    # The largest documents: a node and the login VM with Slurm, the NCCL profile and every script.
+    from components import slurm_conf
+    conf = slurm_conf.SlurmConfInputs("c" * 40, "h" * 63, 100, controller_addr="10.255.255.254", health_check_program=cloud_init.HEALTHCHECK)
+    slurm = cloud_init.SlurmInputs(conf=conf, vault_url="https://" + "v" * 24 + ".vault.azure.net", secret_name="munge-key",
+                                   vault_client_id="0" * 36)
+    for role in (cloud_init.ROLE_NODE, cloud_init.ROLE_LOGIN):
+        big = cloud_init.render(_inputs(role=role, slurm=slurm, nccl_topo_file="/opt/microsoft/ndv5-topo.xml",
+                                        training_user="u" * 32, training_group="g" * 32))
+        assert len(big.encode()) < cloud_init.CUSTOM_DATA_LIMIT // 2, (role, len(big.encode()))
+        assert schema_check(big.encode(), tmp_path).returncode == 0
     with pytest.raises(ValueError, match="above Azure's 65535-byte limit"):
         cloud_init.encode("#cloud-config\n" + "#" * 70000)
 
@@ -201,11 +221,11 @@ def _unit(text: str, path: str) -> str:
 
 @pytest.mark.parametrize("action", ["release", "delete"])
 def test_retention_runs_as_an_unprivileged_user_owning_nothing_but_the_shared_group(action: str, tmp_path: Path) -> None:
-    text = cloud_init.render(_inputs(action=action))
+    text = cloud_init.render(_inputs(action=action, role=cloud_init.ROLE_LOGIN))
     assert schema_check(text.encode(), tmp_path).returncode == 0
     service = _unit(text, f"/etc/systemd/system/{cloud_init.UNIT}.service")
     lines = set(service.splitlines())
-    assert {"User=tiered-ckpt", "Group=tiered-ckpt", "NoNewPrivileges=yes", "UMask=0002"} <= lines
+    assert {"User=tiered-ckpt", "Group=tiered-ckpt", "SupplementaryGroups=training", "NoNewPrivileges=yes", "UMask=0002"} <= lines
     assert not any(ln.startswith("User=root") for ln in lines)
     # Only hsm_release needs a capability (Lustre's HSM request masks); nothing bypasses permissions.
     caps = "CAP_SYS_ADMIN" if action == "release" else ""
@@ -214,7 +234,7 @@ def test_retention_runs_as_an_unprivileged_user_owning_nothing_but_the_shared_gr
     boot = _unit(text, "/usr/local/sbin/tiered-ckpt-bootstrap")
     assert f"groupadd --system --gid {cloud_init.SERVICE_ID} tiered-ckpt" in boot
     assert f"useradd --system --uid {cloud_init.SERVICE_ID} --gid tiered-ckpt" in boot
-    for needle in ("chgrp tiered-ckpt", "chmod 2775", "setfacl -m g:tiered-ckpt:rwx,d:g:tiered-ckpt:rwx"):
+    for needle in ("chown azureuser:training", "chmod 2775", "setfacl -m g:training:rwx,d:g:training:rwx,g:tiered-ckpt:rwx,d:g:tiered-ckpt:rwx"):
         assert needle in boot
     assert boot.index("useradd") < boot.index("systemctl enable --now")
 

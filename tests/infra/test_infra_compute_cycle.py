@@ -83,6 +83,9 @@ def test_stack_outputs_keep_one_shape_across_the_cycle(plan: Plan) -> None:
     on, off = plan("prod"), plan("prod", computeEnabled=False)
     assert set(on.outputs) == set(off.outputs)
     storage_keys = {"subscriptionId", "storageResourceGroup", "storageAccountName", "storageAccountUrl", "dataContainer",
-                    "loggingContainer", "dataContainerId", "checkpointPrefix", "computeEnabled", "sizing"}
-    for key in set(off.outputs) - storage_keys:
+                    "loggingContainer", "dataContainerId", "checkpointPrefix", "computeEnabled", "sizing", "clusterMode"}
+    # Present only for some modes: the login VM's public IP (access public-ip), the bootstrap script (clusterMode none).
+    other_modes = {"loginPublicIp", "nodeBootstrapScript"}
+    assert on.outputs["loginPublicIp"] is None and on.outputs["nodeBootstrapScript"] is None
+    for key in set(off.outputs) - storage_keys - other_modes:
         assert off.outputs[key] is None and on.outputs[key] is not None, key

@@ -23,7 +23,25 @@ def test_preview_json_shows_nsg_ports_both_ways_and_the_scale_set_fabric_setting
     assert "(I100 Allow Tcp 10.42.0.0/24->10.42.4.0/22:988,1019-1023)" in compute_nsg
     assert "(O100 Allow Tcp 10.42.4.0/22->10.42.0.0/24:988,1019-1023)" in compute_nsg
     assert "(I4000 Deny Tcp *->*:22)" in compute_nsg
+    # SSH from the Bastion subnet only (plus the cluster's own subnet: login VM -> nodes).
+    assert "ssh-in-from-bastion(I110 Allow Tcp 10.42.1.0/26->10.42.4.0/22:22)" in compute_nsg
+    assert "cluster-in-within-compute(I120 Allow * 10.42.4.0/22->10.42.4.0/22:0-65535)" in compute_nsg
+    assert "name=tckpt-prod-bastion  sku=Standard  nativeClient=True" in props["tiered-bastion-host"]
+    assert "rbac=True  network=Deny  subnets=1" in props["tiered-gpu-vault"]
+    assert "privateIp=10.42.4.4  allocation=Static  publicIp=False" in props["tiered-gpu-login-nic"]
+    for shown in ("size=Standard_D8s_v5", "zones=1", "image=microsoft-dsvm:ubuntu-hpc:2404", "passwordAuth=False"):
+        assert shown in props["tiered-gpu-login"], shown
     vmss = props["tiered-gpu-vmss"]
     for shown in ("singlePlacementGroup=True", "faultDomains=1", "overprovision=False", "acceleratedNetworking=True",
-                  "image=microsoft-dsvm:ubuntu-hpc:2204", "passwordAuth=False", "publicIp=False"):
+                  "image=microsoft-dsvm:ubuntu-hpc:2404", "passwordAuth=False", "publicIp=False"):
         assert shown in vmss, shown
+
+
+@pytest.mark.timeout(90)
+def test_preview_text_prints_the_way_in() -> None:
+    r = subprocess.run([sys.executable, "-m", "tiered_ops.preview", "--stack", "prod"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=80)
+    assert r.returncode == 0, r.stderr
+    assert ("way in (bastion): az network bastion ssh --name tckpt-prod-bastion --resource-group tckpt-prod-compute-rg "
+            "--target-resource-id /subscriptions/") in r.stdout
+    assert "tiered:access:Bastion  tiered-bastion" in r.stdout and "compute:VirtualMachine " in r.stdout

@@ -5,7 +5,7 @@ import base64
 
 import pytest
 
-from components.cluster import NODE_ACTIONS
+from components.cluster import KEY_VAULT_SECRETS_USER, NODE_ACTIONS
 from components.core_storage import STORAGE_ACCOUNT_CONTRIBUTOR, STORAGE_BLOB_DATA_CONTRIBUTOR, STORAGE_BLOB_DATA_READER
 from tiered_ops import mockrun
 
@@ -31,7 +31,7 @@ def test_every_resource_is_parented_to_a_component_with_derived_names(plan: Plan
     p = plan(stack)
     components = {r.type for r in p.resources if not r.custom}
     assert components == {"tiered:platform:Platform", "tiered:network:Network", "tiered:storage:CoreStorage",
-                          "tiered:accelerator:Accelerator", "tiered:cluster:Cluster"}
+                          "tiered:accelerator:Accelerator", "tiered:cluster:Cluster", "tiered:access:Bastion"}
     for r in p.resources:
         if r.type == "tiered:platform:Platform":
             continue
@@ -65,9 +65,11 @@ def test_storage_account_is_locked_down_but_keeps_shared_key(plan: Plan, stack: 
     assert i["allowSharedKeyAccess"] is True          # AMLFS mints SAS tokens with the account key
     rules = i["networkRuleSet"]
     assert rules["defaultAction"] == "Deny" and rules["bypass"] == "AzureServices" and rules["ipRules"] == []
-    subnet_ids = {s.id for s in p.of_type(T + "network:Subnet")}
+    subnet_ids = {s.id for s in p.of_type(T + "network:Subnet") if "bastion" not in s.name}
     assert {v["virtualNetworkResourceId"] for v in rules["virtualNetworkRules"]} == subnet_ids and len(subnet_ids) == 2
     for s in p.of_type(T + "network:Subnet"):
+        if "bastion" in s.name:
+            continue
         assert {"service": "Microsoft.Storage"} in s.inputs["serviceEndpoints"]
     assert acct.protect
     svc = p.one(T + "storage:BlobServiceProperties")
@@ -167,7 +169,7 @@ def test_auto_export_exports_exactly_the_imported_prefix(plan: Plan, stack: str)
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_network_lustre_ports_ssh_prefix_and_no_public_ip(plan: Plan, stack: str) -> None:
-    p = plan(stack, sshSourcePrefix="203.0.113.0/24")
+    p = plan(stack, sshSourcePrefix="203.0.113.0/24", access="public-ip")
     cfg = p.config
     amlfs_cidr, compute_cidr = cfg["tiered:amlfsSubnetCidr"], cfg["tiered:computeSubnetCidr"]
     nsgs = {r.name.rsplit("-", 2)[-2]: r.inputs["securityRules"] for r in p.of_type(T + "network:NetworkSecurityGroup")}
@@ -192,8 +194,8 @@ def test_network_lustre_ports_ssh_prefix_and_no_public_ip(plan: Plan, stack: str
         for ip in nic["ipConfigurations"]:
             assert "publicIPAddressConfiguration" not in ip
             assert ip["subnet"]["id"] == p.one(T + "network:Subnet", "compute").id
-    # Outbound without node public IPs: the only public IP is the NAT gateway's, on both subnets.
-    assert len(p.of_type(T + "network:PublicIPAddress")) == 1
+    # Outbound without node public IPs: the NAT gateway's, on both subnets; the login VM's is the only other.
+    assert sorted(r.name for r in p.of_type(T + "network:PublicIPAddress")) == ["tiered-gpu-login-ip", "tiered-net-nat-ip"]
     nat = p.one(T + "network:NatGateway")
     for s in p.of_type(T + "network:Subnet"):
         assert s.inputs["natGateway"]["id"] == nat.id and s.inputs["defaultOutboundAccess"] is False
@@ -219,12 +221,12 @@ def test_scale_set_is_one_infiniband_fabric_with_ssh_key_only(plan: Plan, stack:
     assert i["singlePlacementGroup"] is True and i["platformFaultDomainCount"] == 1 and i["overprovision"] is False
     assert i["orchestrationMode"] == "Uniform"
     vm = i["virtualMachineProfile"]
-    assert vm["storageProfile"]["imageReference"] == {"publisher": "microsoft-dsvm", "offer": "ubuntu-hpc", "sku": "2204", "version": "latest"}
+    assert vm["storageProfile"]["imageReference"] == {"publisher": "microsoft-dsvm", "offer": "ubuntu-hpc", "sku": "2404", "version": "latest"}
     linux = vm["osProfile"]["linuxConfiguration"]
     assert linux["disablePasswordAuthentication"] is True and "adminPassword" not in vm["osProfile"]
     assert [k["keyData"] for k in linux["ssh"]["publicKeys"]] == [SSH_KEY]
     assert vm["networkProfile"]["networkInterfaceConfigurations"][0]["enableAcceleratedNetworking"] is True
-    uami = p.one(T + "managedidentity:UserAssignedIdentity")
+    uami = p.one(T + "managedidentity:UserAssignedIdentity", "gpu-identity")
     assert i["identity"] == {"type": "UserAssigned", "userAssignedIdentities": [uami.id]}
     assert base64.b64decode(vm["osProfile"]["customData"]).startswith(b"#cloud-config\n")
 
@@ -232,14 +234,16 @@ def test_scale_set_is_one_infiniband_fabric_with_ssh_key_only(plan: Plan, stack:
 @pytest.mark.parametrize("stack", STACKS)
 def test_node_identity_has_least_privilege(plan: Plan, stack: str) -> None:
     p = plan(stack)
-    uami = p.one(T + "managedidentity:UserAssignedIdentity")
+    uami = p.one(T + "managedidentity:UserAssignedIdentity", "gpu-identity")
     mine = [r for r in p.of_type(T + "authorization:RoleAssignment") if r.inputs["principalId"] == uami.state["principalId"]]
     data = p.one(T + "storage:BlobContainer", "archive-data")
     tools = p.one(T + "storage:BlobContainer", "tools")
     fs = p.one(T + "storagecache:AmlFilesystem")
     role = p.one(T + "authorization:RoleDefinition")
+    vault = p.one(T + "keyvault:Vault")
     got = sorted((r.inputs["scope"], r.inputs["roleDefinitionId"]) for r in mine)
-    assert got == sorted([(data.id, role_id(STORAGE_BLOB_DATA_READER)), (tools.id, role_id(STORAGE_BLOB_DATA_READER)), (fs.id, role.id)])
+    assert got == sorted([(data.id, role_id(STORAGE_BLOB_DATA_READER)), (tools.id, role_id(STORAGE_BLOB_DATA_READER)), (fs.id, role.id),
+                          (vault.id, role_id(KEY_VAULT_SECRETS_USER))])
     perms = role.inputs["permissions"]
     assert len(perms) == 1 and perms[0]["actions"] == NODE_ACTIONS and not perms[0]["dataActions"]
     assert all(a.startswith("Microsoft.StorageCache/amlFilesystems/") and "*" not in a for a in NODE_ACTIONS)

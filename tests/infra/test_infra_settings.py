@@ -27,7 +27,7 @@ BAD = [
     ("above default max", "prod", {"capacityTiB": "132"}, ["tiered:capacityTiB", "132", "default maximum (128 TiB", "tiered:allowAboveDefaultMax true"]),
     ("amlfs subnet too small", "prod", {"amlfsSubnetCidr": "10.42.0.0/25"}, ["tiered:amlfsSubnetCidr", "10.42.0.0/25", "128 TiB", "/24"]),
     ("amlfs subnet too small dev", "dev", {"capacityTiB": "20", "amlfsSubnetCidr": "10.43.0.0/27"}, ["tiered:amlfsSubnetCidr", "/26"]),
-    ("overlapping cidrs", "prod", {"computeSubnetCidr": "10.42.0.0/22"}, ["tiered:computeSubnetCidr", "10.42.0.0/22", "overlaps tiered:amlfsSubnetCidr", "disjoint"]),
+    ("overlapping cidrs", "prod", {"computeSubnetCidr": "10.42.0.0/22", "access": "none"}, ["tiered:computeSubnetCidr", "10.42.0.0/22", "overlaps tiered:amlfsSubnetCidr", "disjoint"]),
     ("subnet outside vnet", "prod", {"amlfsSubnetCidr": "10.99.0.0/24"}, ["tiered:amlfsSubnetCidr", "10.99.0.0/24", "not inside tiered:vnetCidr"]),
     ("cidr with host bits", "prod", {"vnetCidr": "10.42.0.1/16"}, ["tiered:vnetCidr", "10.42.0.1/16", "host bits zero"]),
     ("non-ND vm size", "prod", {"vmSize": "Standard_D4s_v5"}, ["tiered:vmSize", "Standard_D4s_v5", "ND-series", "Standard_ND96isr_H100_v5"]),
@@ -52,6 +52,19 @@ BAD = [
     ("data mover rate", "prod", {"dataMoverGBps": "fast"}, ["tiered:dataMoverGBps", "'fast'", "7.5"]),
     ("unknown zone", "prod", {"zone": "4"}, ["tiered:zone", "'4'", "1, 2 or 3"]),
     ("unknown key", "prod", {"nodecount": "3"}, ["tiered:nodecount", "unknown setting"]),
+    ("unknown cluster mode", "prod", {"clusterMode": "k8s"}, ["tiered:clusterMode", "'k8s'", "use slurm", "or none"]),
+    ("unknown access", "prod", {"access": "vpn"}, ["tiered:access", "'vpn'", "bastion", "public-ip", "none"]),
+    ("public ip open to the internet", "prod", {"access": "public-ip", "sshSourcePrefix": "0.0.0.0/0"}, ["tiered:sshSourcePrefix", "'0.0.0.0/0'", "whole internet"]),
+    ("public ip with a star", "prod", {"access": "public-ip", "sshSourcePrefix": "*"}, ["tiered:sshSourcePrefix", "'*'", "whole internet"]),
+    ("public ip with Internet", "prod", {"access": "public-ip", "sshSourcePrefix": "Internet"}, ["tiered:sshSourcePrefix", "'Internet'", "whole internet"]),
+    ("public ip with a service tag", "prod", {"access": "public-ip", "sshSourcePrefix": "VirtualNetwork"},
+     ["tiered:sshSourcePrefix", "'VirtualNetwork'", "public-ip needs the CIDR", "tiered:access bastion"]),
+    ("unknown login size", "prod", {"loginVmSize": "Standard_B1s"}, ["tiered:loginVmSize", "'Standard_B1s'", "Standard_D8s_v5"]),
+    ("bastion subnet too small", "prod", {"bastionSubnetCidr": "10.42.1.0/27"}, ["tiered:bastionSubnetCidr", "/26"]),
+    ("bastion subnet outside vnet", "prod", {"bastionSubnetCidr": "10.99.1.0/26"}, ["tiered:bastionSubnetCidr", "not inside tiered:vnetCidr"]),
+    ("bastion subnet overlaps", "prod", {"bastionSubnetCidr": "10.42.4.0/26"}, ["tiered:bastionSubnetCidr", "overlaps tiered:computeSubnetCidr"]),
+    ("training user", "prod", {"trainingUser": "Root!"}, ["tiered:trainingUser", "'Root!'", "Linux user name"]),
+    ("training group is the service group", "prod", {"trainingGroup": "tiered-ckpt"}, ["tiered:trainingGroup", "'tiered-ckpt'", "e.g. training"]),
     ("archive cannot keep up", "prod", {"checkpointIntervalSeconds": "60"}, ["tiered:checkpointIntervalSeconds", "60", "tiered:allowArchiveBacklog true"]),
 ]
 
@@ -66,6 +79,29 @@ def test_bad_config_is_refused_with_key_value_and_fix(case: str, stack: str, ove
     assert "\n" not in msg
     for fragment in expect:
         assert fragment in msg, f"{case}: {fragment!r} not in {msg!r}"
+
+
+@pytest.mark.timeout(30)
+def test_every_problem_is_reported_at_once_one_line_each() -> None:
+    bad = {"access": "public-ip", "sshSourcePrefix": "0.0.0.0/0", "clusterMode": "k8s", "loginVmSize": "Standard_B1s",
+           "nodeCount": "eight", "zone": "4", "nodecount": "3"}
+    with pytest.raises(settings.SettingsError) as err:
+        settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY, **bad}), "prod")
+    lines = str(err.value).splitlines()
+    assert lines == list(err.value.problems)
+    named = sorted(line.split(":")[1] for line in lines)
+    assert named == sorted(["sshSourcePrefix", "clusterMode", "loginVmSize", "nodeCount", "zone", "nodecount"]), lines
+    assert all("; " in line for line in lines if "unknown setting" not in line)      # each: problem; fix
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("over", [
+    {"clusterMode": "none", "sshPublicKey": "", "loginVmSize": "x", "access": "public-ip"},   # no VM of ours: nothing to check
+    {"access": "public-ip", "sshSourcePrefix": "203.0.113.0/24"},
+    {"access": "none", "bastionSubnetCidr": "nonsense"},      # no Bastion: its subnet is not used
+])
+def test_mode_specific_settings_are_checked_only_when_used(over: dict[str, str]) -> None:
+    settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY, **over}), "prod")
 
 
 @pytest.mark.timeout(30)
