@@ -147,15 +147,12 @@ class _Hold:
         self.claim: ExitStack | None = claim
         self.dfd: int | None = dfd
         self.key = key
-        # The thread that ran this save's write stage: another one (an async save's) means the
-        # save may still be in flight, and only garbage collection may release its claim.
-        self.write_thread: threading.Thread | None = None
 
     def close(self) -> None:
         claim, self.claim = self.claim, None
         dfd, self.dfd = self.dfd, None
         with _held_lock:
-            if _held.get(self.key, (None,))[0] is self:
+            if _held.get(self.key) is self:
                 del _held[self.key]
         try:
             if claim is not None:
@@ -165,9 +162,8 @@ class _Hold:
                 os.close(dfd)
 
 
-# Lock files of checkpoint names this process's writers hold (flock conflicts within a process too),
-# with the hold and the thread whose save took it.
-_held: dict[str, tuple[_Hold, threading.Thread]] = {}
+# Lock files of checkpoint names this process's writers hold (flock conflicts within a process too).
+_held: dict[str, _Hold] = {}
 _held_lock = threading.Lock()
 
 
@@ -250,8 +246,6 @@ class TieredWriter(StorageWriter):
         rank = self.rank if self.rank is not None else prefix.rank if isinstance(prefix, _Prefix) else 0
         fut: Future[list[WriteResult]] = Future()
         read: list[int] = []
-        if self._hold is not None:
-            self._hold.write_thread = threading.current_thread()
         try:
             fut.set_result(self._write(plan, planner, rank, read))
         except BaseException as e:  # noqa: BLE001 - DCP gathers it and fails every rank
@@ -321,20 +315,9 @@ class TieredWriter(StorageWriter):
             self._claim_once(key)
         except ConflictError:
             with _held_lock:
-                entry = _held.get(key)
-            if entry is None:
+                ours = key in _held
+            if not ours:
                 raise
-            # A thread runs one save at a time: a claim this very thread (or one that has ended)
-            # still holds belongs to a save that is over. When a save fails on any rank after
-            # planning, DCP calls nothing more on the coordinator's writer, and the failed save's
-            # traceback can keep that writer alive in a reference cycle.
-            hold, taker = entry
-            writer = hold.write_thread
-            synchronous = writer is None or writer is taker or not writer.is_alive()
-            if synchronous and (taker is threading.current_thread() or not taker.is_alive()):
-                hold.close()
-                self._claim_once(key)
-                return
             # This process holds it: a writer of an earlier, failed save that nothing references any
             # more (its finalizer releases the claim once collected). One still in use keeps it.
             gc.collect()
@@ -376,7 +359,7 @@ class TieredWriter(StorageWriter):
             os.close(mfd)
         hold = _Hold(claim, dfd, key)
         with _held_lock:
-            _held[key] = (hold, threading.current_thread())
+            _held[key] = hold
         self._hold = hold
         self._finalizer = weakref.finalize(self, hold.close)
 
