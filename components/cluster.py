@@ -311,9 +311,9 @@ def node_role_name(s: Settings, subscription_id: str) -> str:
 
 def security_profile(enabled: bool) -> compute.SecurityProfileArgs | None:
     """Trusted Launch with secure boot and vTPM (compute API: securityType TrustedLaunch + uefiSettings);
-    None = the API's Standard security type. Ubuntu-HPC's Lustre client module is signed with a key the
-    image enrolls, so it loads under secure boot (AMLFS docs, "Install client software on secure boot
-    enabled VMs")."""
+    None = the API's Standard security type. The AMLFS client doc for secure boot VMs says that on Trusted
+    Launch VMs the Lustre module's signing certificate is already trusted, so it loads under secure boot;
+    docs/deploy.md lists the checks a deployment still needs (size/region, image version, GPU driver)."""
     if not enabled:
         return None
     return compute.SecurityProfileArgs(security_type=compute.SecurityTypes.TRUSTED_LAUNCH,
