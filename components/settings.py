@@ -89,9 +89,9 @@ LOGIN_VM_SIZES = (
     "Standard_D4as_v5", "Standard_D8as_v5", "Standard_D16as_v5", "Standard_E4s_v5", "Standard_E8s_v5", "Standard_E16s_v5",
 )
 # Trusted Launch (Gen2 image, secure boot, vTPM). ND sizes we enable it on with `trustedLaunch: auto`: the
-# ND A100 v4 and ND H100/H200 v5 sizes are listed as Trusted Launch capable in Microsoft's "Trusted launch for
-# Azure virtual machines" size table; docs/deploy.md gives the `az vm list-skus` query that confirms it per
-# region (capability TrustedLaunchDisabled absent). The login sizes above (Dsv5/Ddsv5/Dasv5/Esv5) are listed too.
+# ND A100 v4 and ND H100/H200 v5 sizes and the login sizes above (Dsv5/Ddsv5/Dasv5/Esv5), taken as Trusted
+# Launch capable from Microsoft's "Trusted launch for Azure virtual machines" size table; that is not checked
+# at deploy time: docs/deploy.md gives the `az vm list-skus` query (capability TrustedLaunchDisabled) that is.
 TRUSTED_LAUNCH_MODES = ("auto", "on", "off")
 TRUSTED_LAUNCH_SIZES = frozenset({*ND_ETHERNET_GBITS, *LOGIN_VM_SIZES})
 # A Lustre NID list as AMLFS's noSquashNidLists takes it (root squash doc: "10.0.2.4@tcp;10.0.2.[6-8]@tcp"):
