@@ -8,7 +8,10 @@ from pulumi_azure_native import storagecache
 
 from .arm_auth import ArmAuth
 from .blob_jobs import ArmCredentialCheck, WaitForBlobJobs, program_auth
+from .network import trusted_nids
 from .settings import Settings
+
+SQUASH_ID = 65534       # nobody / nogroup
 
 
 @dataclass
@@ -41,10 +44,11 @@ class Accelerator(pulumi.ComponentResource):
         if squash_mode == storagecache.AmlFilesystemSquashMode.NONE:
             squash = storagecache.AmlFilesystemRootSquashSettingsArgs(mode=squash_mode)
         else:
-            # 65534 = nobody/nogroup; the trusted NIDs (the GPU nodes) keep root.
+            # 65534 = nobody/nogroup. The trusted NIDs (default: the whole compute subnet, i.e. the login VM
+            # and the GPU nodes) keep root, so the bootstrap (mkdir/chown of the checkpoint tree) and the
+            # root retention service work; root on any other host (peered or VPN networks) is squashed.
             squash = storagecache.AmlFilesystemRootSquashSettingsArgs(
-                mode=squash_mode, squash_uid=65534, squash_gid=65534,
-                no_squash_nid_lists=s.root_squash_trusted_nids or None)
+                mode=squash_mode, squash_uid=SQUASH_ID, squash_gid=SQUASH_ID, no_squash_nid_lists=trusted_nids(s))
 
         # The wait below calls ARM itself: prove its credential before the file system exists.
         auth = args.arm_auth or program_auth()

@@ -114,7 +114,7 @@ class Cluster(pulumi.ComponentResource):
             sku=storage.SkuArgs(name=storage.SkuName.STANDARD_LRS),
             enable_https_traffic_only=True, minimum_tls_version=storage.MinimumTlsVersion.TLS1_2, allow_blob_public_access=False,
             # Shared key stays on: the provider uploads the blob with the account key.
-            allow_shared_key_access=True, opts=child)
+            allow_shared_key_access=True, network_rule_set=tools_network_rules(s, args.subnet_id), opts=child)
         tools_container = storage.BlobContainer(f"{name}-tools-container", resource_group_name=rg, account_name=tools.name,
                                                 container_name=TOOLS_CONTAINER, public_access=storage.PublicAccess.NONE, opts=child)
         blob = storage.Blob(f"{name}-toolkit", resource_group_name=rg, account_name=tools.name,
@@ -134,7 +134,7 @@ class Cluster(pulumi.ComponentResource):
         # the compute resource group and assigned at the file system only.
         role = authorization.RoleDefinition(
             f"{name}-fs-jobs-role",
-            role_name=f"tiered-ckpt node jobs ({s.base_name}, {s.location})",
+            role_name=pulumi.Output.from_input(args.subscription_id).apply(lambda sub: node_role_name(s, sub)),
             description="Import jobs and auto-export admin status on one AMLFS file system (tiered-ckpt restore/retention).",
             role_type="CustomRole",
             scope=args.resource_group_id,
@@ -230,9 +230,10 @@ class Cluster(pulumi.ComponentResource):
                 custom_data=self.login_custom_data.apply(cloud_init.encode),
                 linux_configuration=compute.LinuxConfigurationArgs(disable_password_authentication=True, ssh=ssh)),
             network_profile=compute.NetworkProfileArgs(network_interfaces=[compute.NetworkInterfaceReferenceArgs(id=nic.id, primary=True)]),
-            # Azure cannot change a VM's customData in place: a changed login configuration is a new VM
+            security_profile=security_profile(s.login_trusted_launch_enabled),
+            # Azure cannot change a VM's customData (nor, while it runs, its security type) in place: a changed login configuration is a new VM
             # (slurmctld's state is on Lustre, the queue survives). The NIC is reused, so the old VM goes first.
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[*grants, login_grant, blob], replace_on_changes=["osProfile.customData"],
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[*grants, login_grant, blob], replace_on_changes=["osProfile.customData", "securityProfile"],
                                         delete_before_replace=True,
                                         custom_timeouts=pulumi.CustomTimeouts(create="30m", update="30m", delete="30m")))
 
@@ -267,6 +268,7 @@ class Cluster(pulumi.ComponentResource):
                     custom_data=self.custom_data.apply(cloud_init.encode),
                     linux_configuration=compute.LinuxConfigurationArgs(disable_password_authentication=True, ssh=ssh),
                 ),
+                security_profile=security_profile(s.trusted_launch_enabled),
                 # A scale-in or delete gives each node notice (Scheduled Events "Terminate"): the watcher
                 # drains it and unmounts Lustre before the VM goes.
                 scheduled_events_profile=compute.ScheduledEventsProfileArgs(
@@ -299,6 +301,38 @@ class Cluster(pulumi.ComponentResource):
             self.ssh_command = pulumi.Output.concat(f"ssh -i {private_key_path(s.ssh_public_key)} {s.admin_username}@", target)
         self.register_outputs({"scale_set_name": self.scale_set_name, "identity_client_id": self.identity_client_id,
                                "vault_name": self.vault_name, "ssh_command": self.ssh_command})
+
+
+def node_role_name(s: Settings, subscription_id: str) -> str:
+    """Custom role names are unique per tenant (ARM: RoleDefinitionWithSameNameExists): the name carries a
+    short hash of the subscription, so the same stack in a second subscription of the tenant gets its own."""
+    return f"tiered-ckpt node jobs ({s.base_name}, {s.location}, {hashlib.sha256(subscription_id.lower().encode()).hexdigest()[:8]})"
+
+
+def security_profile(enabled: bool) -> compute.SecurityProfileArgs | None:
+    """Trusted Launch with secure boot and vTPM (compute API: securityType TrustedLaunch + uefiSettings);
+    None = the API's Standard security type. The AMLFS client doc for secure boot VMs says that on Trusted
+    Launch VMs the Lustre module's signing certificate is already trusted, so it loads under secure boot;
+    docs/deploy.md lists the checks a deployment still needs (size/region, image version, GPU driver)."""
+    if not enabled:
+        return None
+    return compute.SecurityProfileArgs(security_type=compute.SecurityTypes.TRUSTED_LAUNCH,
+                                       uefi_settings=compute.UefiSettingsArgs(secure_boot_enabled=True, v_tpm_enabled=True))
+
+
+def tools_network_rules(s: Settings, subnet_id: pulumi.Input[str]) -> storage.NetworkRuleSetArgs:
+    """The tools account's firewall. `pulumi up` uploads the toolkit blob from the operator's machine over
+    the data plane, so with toolsUploadCidr unset it must stay open to every network (the blob is still
+    private: no public access, HTTPS only, reads need the nodes' identity). With it set, only that address
+    range and the compute subnet (service endpoint; the nodes' downloads) get in (Azure Storage firewall
+    docs: IP rules take public ranges; /32 is given as a bare address)."""
+    if not s.tools_upload_cidr:
+        return storage.NetworkRuleSetArgs(default_action=storage.DefaultAction.ALLOW)
+    cidr = s.tools_upload_cidr.removesuffix("/32")
+    return storage.NetworkRuleSetArgs(
+        default_action=storage.DefaultAction.DENY, bypass=storage.Bypass.NONE,
+        ip_rules=[storage.IPRuleArgs(i_p_address_or_range=cidr, action=storage.Action.ALLOW)],
+        virtual_network_rules=[storage.VirtualNetworkRuleArgs(virtual_network_resource_id=subnet_id, action=storage.Action.ALLOW)])
 
 
 def vault_name(s: Settings, subscription_id: str, stamp: str) -> str:

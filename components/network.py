@@ -21,6 +21,63 @@ def login_private_ip(settings: Settings) -> str:
     return str(ipaddress.ip_network(settings.compute_subnet_cidr)[FIRST_HOST_OFFSET])
 
 
+# Lowest priority an NSG rule may have (Azure docs, "Network security groups": priorities 100-4096). The
+# explicit deny-all rules sit there, above Azure's default 65000 AllowVnetInBound/AllowVnetOutBound.
+DENY_ALL_PRIORITY = 4096
+ALL_PORTS = ["*"]
+
+
+def rule(rname: str, priority: int, direction: network.SecurityRuleDirection, src: str, dst: str, ports: list[str],
+         access: network.SecurityRuleAccess = network.SecurityRuleAccess.ALLOW,
+         protocol: network.SecurityRuleProtocol = network.SecurityRuleProtocol.TCP) -> network.SecurityRuleArgs:
+    return network.SecurityRuleArgs(name=rname, priority=priority, direction=direction, access=access, protocol=protocol,
+                                    source_address_prefix=src, source_port_range="*",
+                                    destination_address_prefix=dst, destination_port_ranges=ports)
+
+
+def amlfs_rules(s: Settings) -> list[network.SecurityRuleArgs]:
+    """The AMLFS subnet's rules, after Microsoft's "Configure a network security group for Azure Managed Lustre"
+    and the AMLFS network prerequisites: any traffic between the file system's own hosts (SSH 22 among them,
+    for cluster deployment), Lustre (TCP 988, 1019-1023) with its clients both ways (servers call clients
+    back), HTTPS to AzureMonitor and AzureCloud (blob integration, management), NTP; everything else is
+    denied in both directions. Without the deny rules Azure's AllowVnetInBound (65000) would admit every
+    host of the VNet and of every peered or VPN-connected network. The clients are the compute subnet:
+    the login VM and the GPU nodes (clusterMode none: the nodes you put there)."""
+    Dir, Access, Proto = network.SecurityRuleDirection, network.SecurityRuleAccess, network.SecurityRuleProtocol
+    amlfs, compute = s.amlfs_subnet_cidr, s.compute_subnet_cidr
+    return [
+        rule("lustre-in-from-compute", 100, Dir.INBOUND, compute, amlfs, LUSTRE_PORTS),
+        rule("any-in-within-amlfs", 110, Dir.INBOUND, amlfs, amlfs, ALL_PORTS, protocol=Proto.ASTERISK),
+        rule("deny-all-in", DENY_ALL_PRIORITY, Dir.INBOUND, "*", "*", ALL_PORTS, access=Access.DENY, protocol=Proto.ASTERISK),
+        rule("lustre-out-to-compute", 100, Dir.OUTBOUND, amlfs, compute, LUSTRE_PORTS),
+        rule("any-out-within-amlfs", 110, Dir.OUTBOUND, amlfs, amlfs, ALL_PORTS, protocol=Proto.ASTERISK),
+        rule("https-out-to-azuremonitor", 120, Dir.OUTBOUND, amlfs, "AzureMonitor", ["443"]),
+        rule("https-out-to-azurecloud", 130, Dir.OUTBOUND, amlfs, "AzureCloud", ["443"]),
+        rule("ntp-out", 140, Dir.OUTBOUND, amlfs, "*", ["123"], protocol=Proto.UDP),
+        rule("deny-all-out", DENY_ALL_PRIORITY, Dir.OUTBOUND, "*", "*", ALL_PORTS, access=Access.DENY, protocol=Proto.ASTERISK),
+    ]
+
+
+def trusted_nids(settings: Settings) -> str:
+    """The Lustre NIDs that keep root under root squash: rootSquashTrustedNids, or every host address of the
+    compute subnet (the login VM and the GPU nodes, whose bootstrap and retention run as root), in the
+    format of AMLFS's noSquashNidLists (root squash doc: "10.0.2.4@tcp;10.0.2.[6-8]@tcp"): one
+    `a.b.c.[lo-hi]@tcp` per /24 of the subnet, from its first usable address (Azure reserves the first
+    four) to its last (Azure reserves the broadcast address)."""
+    if settings.root_squash_trusted_nids:
+        return settings.root_squash_trusted_nids
+    net = ipaddress.IPv4Network(settings.compute_subnet_cidr)
+    first, last = net[FIRST_HOST_OFFSET], net[-2]
+    blocks = [net] if net.prefixlen >= 24 else list(net.subnets(new_prefix=24))
+    nids: list[str] = []
+    for b in blocks:
+        lo, hi = max(b[0], first), min(b[-1], last)
+        stem = str(lo).rsplit(".", 1)[0]
+        lo_o, hi_o = int(str(lo).rsplit(".", 1)[1]), int(str(hi).rsplit(".", 1)[1])
+        nids.append(f"{stem}.{lo_o}@tcp" if lo_o == hi_o else f"{stem}.[{lo_o}-{hi_o}]@tcp")
+    return ";".join(nids)
+
+
 def ssh_sources(settings: Settings) -> list[str]:
     """Who may open SSH (22) into the compute subnet, besides the cluster's own hosts.
 
@@ -56,25 +113,9 @@ class Network(pulumi.ComponentResource):
                                       address_space=network.AddressSpaceArgs(address_prefixes=[s.vnet_cidr]), opts=child)
 
         Dir, Access, Proto = network.SecurityRuleDirection, network.SecurityRuleAccess, network.SecurityRuleProtocol
-
-        def rule(rname: str, priority: int, direction: network.SecurityRuleDirection, src: str, dst: str, ports: list[str],
-                 access: network.SecurityRuleAccess = Access.ALLOW,
-                 protocol: network.SecurityRuleProtocol = Proto.TCP) -> network.SecurityRuleArgs:
-            return network.SecurityRuleArgs(name=rname, priority=priority, direction=direction, access=access, protocol=protocol,
-                                            source_address_prefix=src, source_port_range="*",
-                                            destination_address_prefix=dst, destination_port_ranges=ports)
-
         amlfs, compute = s.amlfs_subnet_cidr, s.compute_subnet_cidr
-        # Lustre: TCP 988 and 1019-1023, clients <-> servers in both directions (servers call clients back);
-        # SSH (22) between the file system's own nodes inside its subnet (AMLFS prerequisite).
-        amlfs_nsg = network.NetworkSecurityGroup(f"{name}-amlfs-nsg", resource_group_name=rg, location=s.location, security_rules=[
-            rule("lustre-in-from-compute", 100, Dir.INBOUND, compute, amlfs, LUSTRE_PORTS),
-            rule("lustre-in-within-amlfs", 110, Dir.INBOUND, amlfs, amlfs, LUSTRE_PORTS),
-            rule("ssh-in-within-amlfs", 120, Dir.INBOUND, amlfs, amlfs, ["22"]),
-            rule("lustre-out-to-compute", 100, Dir.OUTBOUND, amlfs, compute, LUSTRE_PORTS),
-            rule("lustre-out-within-amlfs", 110, Dir.OUTBOUND, amlfs, amlfs, LUSTRE_PORTS),
-            rule("ssh-out-within-amlfs", 120, Dir.OUTBOUND, amlfs, amlfs, ["22"]),
-        ], opts=child)
+        amlfs_nsg = network.NetworkSecurityGroup(f"{name}-amlfs-nsg", resource_group_name=rg, location=s.location,
+                                                 security_rules=amlfs_rules(s), opts=child)
         ssh_rules = [rule(f"ssh-in-from-{'bastion' if src == s.bastion_subnet_cidr and s.access == 'bastion' else 'admin'}",
                           110 + i, Dir.INBOUND, src, compute, ["22"]) for i, src in enumerate(ssh_sources(s))]
         compute_nsg = network.NetworkSecurityGroup(f"{name}-compute-nsg", resource_group_name=rg, location=s.location, security_rules=[

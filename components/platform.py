@@ -21,6 +21,7 @@ from .cluster import Cluster, ClusterArgs
 from .core_storage import CoreStorage, CoreStorageArgs
 from .network import Network, NetworkArgs
 from .settings import Settings
+from .tags import stack_tags, tagging
 
 # appId of "HPC Cache Resource Provider" (same in every tenant; its object ID differs per tenant).
 HPC_CACHE_RP_APP_ID = "4392ab71-2ce2-4b0d-8770-b352745c73f5"
@@ -71,8 +72,10 @@ class Platform(pulumi.ComponentResource):
     outputs: StackOutputs
 
     def __init__(self, name: str, args: PlatformArgs, opts: pulumi.ResourceOptions | None = None) -> None:
-        super().__init__("tiered:platform:Platform", name, None, opts)
         s = args.settings
+        # stack/project/owner tags on every taggable Azure resource below (components/tags.py).
+        tagged = pulumi.ResourceOptions(transformations=[tagging(stack_tags(s, pulumi.get_project()))])
+        super().__init__("tiered:platform:Platform", name, None, pulumi.ResourceOptions.merge(opts, tagged))
         invoke = pulumi.InvokeOutputOptions(parent=self)
         client = authorization.get_client_config_output(opts=invoke)
         subscription_id = client.subscription_id

@@ -88,6 +88,21 @@ LOGIN_VM_SIZES = (
     "Standard_D4s_v5", "Standard_D8s_v5", "Standard_D16s_v5", "Standard_D4ds_v5", "Standard_D8ds_v5", "Standard_D16ds_v5",
     "Standard_D4as_v5", "Standard_D8as_v5", "Standard_D16as_v5", "Standard_E4s_v5", "Standard_E8s_v5", "Standard_E16s_v5",
 )
+# Trusted Launch (Gen2 image, secure boot, vTPM). ND sizes we enable it on with `trustedLaunch: auto`: the
+# ND A100 v4 and ND H100/H200 v5 sizes and the login sizes above (Dsv5/Ddsv5/Dasv5/Esv5), taken as Trusted
+# Launch capable from Microsoft's "Trusted launch for Azure virtual machines" size table; that is not checked
+# at deploy time: docs/deploy.md gives the `az vm list-skus` query (capability TrustedLaunchDisabled) that is.
+TRUSTED_LAUNCH_MODES = ("auto", "on", "off")
+TRUSTED_LAUNCH_SIZES = frozenset({*ND_ETHERNET_GBITS, *LOGIN_VM_SIZES})
+# A Lustre NID list as AMLFS's noSquashNidLists takes it (root squash doc: "10.0.2.4@tcp;10.0.2.[6-8]@tcp"):
+# ';'-separated NIDs, each octet a number or a [lo-hi] range, on the tcp network.
+_NID_OCTET = r"(?:\d{1,3}|\[\d{1,3}-\d{1,3}\])"
+NID = re.compile(rf"^{_NID_OCTET}(?:\.{_NID_OCTET}){{3}}@tcp\d*$")
+# Azure Storage IP network rules: public IPv4 only; /31 and /32 are given as a bare address (Azure Storage
+# firewall docs, "Grant access from an internet IP range").
+STORAGE_IP_RULE_MAX_PREFIX = 30
+# ...and no private (RFC 1918), loopback, link-local or unspecified ranges.
+NON_PUBLIC = tuple(ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "0.0.0.0/8"))
 # The toolkit's own service account/group (components/cloud_init.py creates it): never a training group.
 SERVICE_GROUP = "tiered-ckpt"
 RESERVED_NAMES = ("root", "admin", "slurm", "munge", SERVICE_GROUP)
@@ -141,10 +156,10 @@ class Settings:
         "AMLFS weekly maintenance window day (Monday..Sunday).")
     maintenance_time_utc: str = key("maintenanceTimeUtc", "02:00",
         "AMLFS maintenance window start, HH:MM UTC.")
-    root_squash: str = key("rootSquash", "None",
-        "AMLFS root squash mode: None, RootOnly or All.")
+    root_squash: str = key("rootSquash", "RootOnly",
+        "AMLFS root squash mode: RootOnly (root on untrusted hosts becomes nobody), All or None.")
     root_squash_trusted_nids: str = key("rootSquashTrustedNids", "",
-        "With RootOnly/All: Lustre NID list exempt from squashing, e.g. 10.42.4.[4-254]@tcp (the GPU nodes, so the toolkit's root service works).")
+        "With RootOnly/All: Lustre NIDs that keep root, ';'-separated, e.g. 10.42.4.[4-254]@tcp; empty = every address of computeSubnetCidr (login VM and GPU nodes).")
     vnet_cidr: str = key("vnetCidr", "10.42.0.0/16",
         "Address space of the virtual network.")
     amlfs_subnet_cidr: str = key("amlfsSubnetCidr", "10.42.0.0/24",
@@ -171,6 +186,12 @@ class Settings:
         "Group of every training user; the checkpoint tree is group-writable and setgid to it, so every rank writes.")
     vm_size: str = key("vmSize", "Standard_ND96isr_H100_v5",
         "GPU node size; must be an ND-series size.")
+    trusted_launch: str = key("trustedLaunch", "auto",
+        "Trusted Launch (secure boot + vTPM) on the login VM and GPU nodes: auto (on where the size is known to support it), on or off.")
+    owner: str = key("owner", "",
+        "Value of the owner tag on every resource (team or person to ask about the stack); empty = unassigned.")
+    tools_upload_cidr: str = key("toolsUploadCidr", "",
+        "Public IPv4 address/CIDR `pulumi up` uploads the toolkit from; set it to close the tools account to everything else but the compute subnet.")
     node_count: int = key("nodeCount", 1,
         "Number of GPU nodes.")
     node_ethernet_gbps: int = key("nodeEthernetGbps", 0,
@@ -218,6 +239,15 @@ class Settings:
     def base_name(self) -> str:
         """`<prefix>-<stack>`: the stem of every resource name."""
         return f"{self.name_prefix}-{self.stack}"
+
+    @property
+    def trusted_launch_enabled(self) -> bool:
+        """Trusted Launch on the ND nodes (the login sizes all support it; `off` turns both off)."""
+        return self.trusted_launch == "on" or (self.trusted_launch == "auto" and self.vm_size in TRUSTED_LAUNCH_SIZES)
+
+    @property
+    def login_trusted_launch_enabled(self) -> bool:
+        return self.trusted_launch == "on" or (self.trusted_launch == "auto" and self.login_vm_size in TRUSTED_LAUNCH_SIZES)
 
     @property
     def amlfs_name(self) -> str:
@@ -437,6 +467,34 @@ def _check_cluster(s: dict[str, Any]) -> Problems:
         yield _fail("adminUsername", s["adminUsername"], "is not an allowed Linux user name", "use lowercase letters/digits, not root or admin, e.g. azureuser")
 
 
+def _check_security(s: dict[str, Any]) -> Problems:
+    if s["trustedLaunch"] not in TRUSTED_LAUNCH_MODES:
+        yield _fail("trustedLaunch", s["trustedLaunch"], "is not a Trusted Launch mode",
+                    "use auto (on where the VM size supports it), on or off")
+    nids = s["rootSquashTrustedNids"].strip()
+    if nids:
+        bad = [n for n in nids.split(";") if not NID.fullmatch(n.strip()) or any(
+            int(x) > 255 for x in re.findall(r"\d+", n.split("@")[0]))]
+        if bad:
+            yield _fail("rootSquashTrustedNids", nids, f"holds entries that are not Lustre tcp NIDs ({'; '.join(bad)})",
+                        "use ';'-separated NIDs such as 10.42.4.[4-254]@tcp;10.42.5.[0-255]@tcp, or leave it empty for the compute subnet")
+    owner = s["owner"]
+    if len(owner) > 256 or any(c in owner for c in "<>%&\\?/") or not owner.isprintable():
+        yield _fail("owner", owner, "is not a valid Azure tag value here", "use at most 256 printable characters without <>%&\\?/, e.g. ml-platform")
+    cidr = s["toolsUploadCidr"].strip()
+    if cidr:
+        try:
+            net = ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            yield _fail("toolsUploadCidr", cidr, "is not an IPv4 address or CIDR", "use your public address, e.g. 203.0.113.7 or 203.0.113.0/28")
+            return
+        if not isinstance(net, ipaddress.IPv4Network) or any(net.overlaps(p) for p in NON_PUBLIC):
+            yield _fail("toolsUploadCidr", cidr, "is not a public IPv4 range (storage firewalls take public addresses only)",
+                        "use the public address your machine reaches Azure from (e.g. curl -s https://api.ipify.org), or leave it empty")
+        elif net.prefixlen == 31:
+            yield _fail("toolsUploadCidr", cidr, "is a /31, which storage IP rules do not take", "use a /30 or wider, or a single address")
+
+
 def _linux_name(name: str) -> bool:
     return bool(re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", name)) and name not in RESERVED_NAMES
 
@@ -521,7 +579,7 @@ def load(raw: Mapping[str, Any], stack: str) -> Settings:
             problems.append(err)
             s[key.name] = _coerce(key, key.default)   # go on with the default so the other checks still run
 
-    problems += [*_check_common(s), *_check_storage(s), *_check_toolkit(s), *_check_amlfs(s, stack), *_check_modes(s)]
+    problems += [*_check_common(s), *_check_storage(s), *_check_toolkit(s), *_check_amlfs(s, stack), *_check_modes(s), *_check_security(s)]
     if s["computeEnabled"]:
         problems += [*_check_network(s, s["capacityTiB"]), *_check_cluster(s)]
     if problems:
@@ -534,6 +592,8 @@ def load(raw: Mapping[str, Any], stack: str) -> Settings:
         "checkpoint_prefix": s["checkpointPrefix"].rstrip("/"),
         "node_ethernet_gbps": s["nodeEthernetGbps"] or ND_ETHERNET_GBITS.get(s["vmSize"], 0),
         "training_user": s["trainingUser"] or s["adminUsername"],
+        "root_squash_trusted_nids": s["rootSquashTrustedNids"].strip(),
+        "tools_upload_cidr": s["toolsUploadCidr"].strip(),
     }
     settings = Settings(stack=stack, **{k.field: derived.get(k.field, s[k.name]) for k in SCHEMA})
     if settings.compute_enabled:

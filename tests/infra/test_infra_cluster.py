@@ -128,7 +128,7 @@ def test_login_vm_is_the_controller_in_the_nodes_zone_and_subnet_with_ssh_key_on
     ids = {r.name: r.id for r in p.of_type(T + "managedidentity:UserAssignedIdentity")}
     assert sorted(i["identity"]["userAssignedIdentities"]) == sorted(ids.values())
     # Azure cannot change customData in place: a new login configuration is a new VM, the old one first (same NIC).
-    assert login.replace_on_changes == ["osProfile.customData"] and login.delete_before_replace
+    assert login.replace_on_changes == ["osProfile.customData", "securityProfile"] and login.delete_before_replace
     ev = vmss.inputs["virtualMachineProfile"]["scheduledEventsProfile"]["terminateNotificationProfile"]
     assert ev == {"enable": True, "notBeforeTimeout": "PT10M"}
 

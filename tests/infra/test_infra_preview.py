@@ -23,6 +23,11 @@ def test_preview_json_shows_nsg_ports_both_ways_and_the_scale_set_fabric_setting
     assert "(I100 Allow Tcp 10.42.0.0/24->10.42.4.0/22:988,1019-1023)" in compute_nsg
     assert "(O100 Allow Tcp 10.42.4.0/22->10.42.0.0/24:988,1019-1023)" in compute_nsg
     assert "(I4000 Deny Tcp *->*:22)" in compute_nsg
+    # The file system subnet: Microsoft's rule set, then deny everything else both ways.
+    for shown in ("deny-all-in(I4096 Deny * *->*:*)", "deny-all-out(O4096 Deny * *->*:*)",
+                  "https-out-to-azurecloud(O130 Allow Tcp 10.42.0.0/24->AzureCloud:443)", "ntp-out(O140 Allow Udp 10.42.0.0/24->*:123)"):
+        assert shown in amlfs_nsg, shown
+    assert "rootSquash=RootOnly" in props["tiered-amlfs-fs"]
     # SSH from the Bastion subnet only (plus the cluster's own subnet: login VM -> nodes).
     assert "ssh-in-from-bastion(I110 Allow Tcp 10.42.1.0/26->10.42.4.0/22:22)" in compute_nsg
     assert "cluster-in-within-compute(I120 Allow * 10.42.4.0/22->10.42.4.0/22:0-65535)" in compute_nsg

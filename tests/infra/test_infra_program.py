@@ -141,7 +141,7 @@ def test_file_system_settings(plan: Plan, stack: str) -> None:
     assert i["zones"] == [cfg["tiered:zone"]]
     assert i["filesystemSubnet"] == p.one(T + "network:Subnet", "amlfs").id
     assert i["maintenanceWindow"] == {"dayOfWeek": "Sunday", "timeOfDayUTC": "02:00"}
-    assert i["rootSquashSettings"]["mode"] == "None"
+    assert i["rootSquashSettings"]["mode"] == "RootOnly"      # test_infra_security checks the trusted NIDs
     assert i["hsm"]["settings"]["importPrefix"] == "/checkpoints"
     assert fs.timeouts["create"] == "90m" and fs.timeouts["delete"] == "60m"
     expected = {"prod": 64.0, "dev": 2.0}[stack]
@@ -183,7 +183,7 @@ def test_network_lustre_ports_ssh_prefix_and_no_public_ip(plan: Plan, stack: str
         assert allows(nsgs["compute"], "Inbound", amlfs_cidr, compute_cidr, port)
         assert allows(nsgs["compute"], "Outbound", compute_cidr, amlfs_cidr, port)
         assert allows(nsgs["amlfs"], "Outbound", amlfs_cidr, compute_cidr, port)
-    assert allows(nsgs["amlfs"], "Inbound", amlfs_cidr, amlfs_cidr, "22")
+    assert allows(nsgs["amlfs"], "Inbound", amlfs_cidr, amlfs_cidr, "*")     # any port within the subnet, SSH among them
     ssh_in = [r for r in nsgs["compute"] if r["direction"] == "Inbound" and "22" in r["destinationPortRanges"]]
     allowed = [r for r in ssh_in if r["access"] == "Allow"]
     assert [r["sourceAddressPrefix"] for r in allowed] == ["203.0.113.0/24"]
