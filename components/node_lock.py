@@ -21,9 +21,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 from collections import defaultdict
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK = Path(__file__).resolve().parent / "node-requirements.txt"
