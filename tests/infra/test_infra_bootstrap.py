@@ -1,7 +1,9 @@
 """The node bootstrap's Lustre client, fstab and dependency lock: the shell runs against fake package tools."""
 from __future__ import annotations
 
+import base64
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -10,7 +12,8 @@ import yaml
 
 from components import cloud_init, node_lock
 
-from .test_infra_cloud_init import _inputs, schema_check
+from .conftest import Plan
+from .test_infra_cloud_init import ROOT, _inputs, schema_check
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,3 +124,28 @@ def test_a_changed_pin_is_caught(tmp_path: Path) -> None:
     py.write_text('[project]\ndependencies = ["pyyaml>=6"]\n')
     with pytest.raises(ValueError, match="not pinned"):
         node_lock.pyproject_pins(py)
+
+
+def test_a_toolkit_change_replaces_the_blob_name_and_keeps_the_old_blob(plan: Plan, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Existing instances' custom data name the old blob: the replaced blob must survive `pulumi up`."""
+    real = cloud_init.build_toolkit
+    seen: list[tuple[str, str, bool, str]] = []
+    for variant in ("a", "b"):
+        repo = tmp_path / variant
+        (repo / "src").mkdir(parents=True)
+        shutil.copytree(ROOT / "src" / "tiered_ckpt", repo / "src" / "tiered_ckpt",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
+        (repo / "src" / "tiered_ckpt" / "_variant.py").write_text(f"VARIANT = {variant!r}\n")   # a toolkit change
+        monkeypatch.setattr(cloud_init, "build_toolkit", lambda _root, out, repo=repo: real(repo, out))
+        p = plan("dev")
+        blob = p.one("azure-native:storage:Blob", "toolkit")
+        boot = yaml.safe_load(base64.b64decode(
+            p.one("azure-native:compute:VirtualMachineScaleSet").inputs["virtualMachineProfile"]["osProfile"]["customData"]))
+        script = next(f["content"] for f in boot["write_files"] if f["path"] == cloud_init.BOOTSTRAP)
+        seen.append((blob.name, blob.inputs["blobName"], blob.retain_on_delete, script))
+    (name_a, blob_a, keep_a, _), (name_b, blob_b, keep_b, script_b) = seen
+    assert name_a == name_b and blob_a != blob_b       # same Pulumi resource, new Azure name: a replace
+    assert blob_b in script_b and blob_a not in script_b
+    assert keep_a and keep_b, "the replaced toolkit blob would be deleted while instances still fetch it"
