@@ -31,7 +31,7 @@ CONFIG_PATH = "/etc/tiered-ckpt/config.yaml"
 UNIT = "tiered-ckpt-retention"
 # fstab options: the AMLFS docs' client-connect/automount example (noatime, flock, _netdev,
 # x-systemd.automount) plus nofail (systemd.mount(5)).
-FSTAB_OPTIONS = "noatime,flock,_netdev,x-systemd.automount,nofail"
+FSTAB_OPTIONS = "defaults,noatime,flock,_netdev,x-systemd.automount,nofail"
 MOUNT_UNIT = MOUNT.strip("/").replace("/", "-")   # systemd-escape -p, for a path without special characters
 NODE_REQUIREMENTS = "/etc/tiered-ckpt/node-requirements.txt"
 # The unprivileged system user the retention timer runs as, and the group that owns the checkpoint
@@ -46,6 +46,7 @@ TRAINING_GID = 2743
 TRAINING_UID = 2744
 ROLE_NODE, ROLE_LOGIN, ROLE_BYO = "node", "login", "byo"
 WORK_DIR = "work"          # /lustrefs/work: shared by the login VM and every node
+SLURM_DIR = ".slurm"       # /lustrefs/.slurm: slurmctld's state (survives a replaced login VM)
 BOOTSTRAP = "/usr/local/sbin/tiered-ckpt-bootstrap"
 HEALTHCHECK = "/usr/local/sbin/tiered-ckpt-healthcheck"
 MUNGE_KEY_TOOL = "/usr/local/sbin/tiered-ckpt-munge-key"

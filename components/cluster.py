@@ -44,7 +44,7 @@ KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
 KEY_VAULT_SECRETS_OFFICER = "b86a8fe4-44ce-4948-aee5-eccb2c155cd7"
 MUNGE_SECRET = "munge-key"
 # slurmctld state on Lustre: a replaced login VM (new custom data) resumes the queue.
-SLURM_STATE_DIR = f"{cloud_init.MOUNT}/.slurm/slurmctld"
+SLURM_STATE_DIR = f"{cloud_init.MOUNT}/{cloud_init.SLURM_DIR}/slurmctld"
 # Terminate notice the scale set gives each instance (5-15 min; Azure docs, "Terminate notification for
 # Azure Virtual Machine Scale Set instances"): time to drain and unmount Lustre cleanly.
 TERMINATE_NOTICE = "PT10M"
