@@ -195,8 +195,8 @@ class Settings:
         "Lifecycle: move archived checkpoints to the cool tier after N days (0 = never).")
     cold_after_days: int = key("coldAfterDays", 90,
         "Lifecycle: move them to the cold tier after N days (0 = never).")
-    delete_after_days: int = key("deleteAfterDays", 365,
-        "Lifecycle: delete them from Blob after N days (0 = never).")
+    delete_after_days: int = key("deleteAfterDays", 0,
+        "Refused unless 0: an age-based Blob delete would expire the newest checkpoints too; use `tiered-ckpt archive retention`.")
     soft_delete_days: int = key("softDeleteDays", 14,
         "Blob soft delete retention, 1-365 days.")
     retention_keep_last: int = key("retentionKeepLast", 3,
@@ -302,11 +302,18 @@ def _check_storage(s: dict[str, Any]) -> Problems:
         yield _fail("storageSku", s["storageSku"], "is not a supported redundancy", f"use one of {', '.join(STORAGE_SKUS)}")
     if not (1 <= s["softDeleteDays"] <= 365):
         yield _fail("softDeleteDays", s["softDeleteDays"], "is outside 1-365", "set the blob soft delete retention in days, e.g. 14")
-    negative = [n for n in ("coolAfterDays", "coldAfterDays", "deleteAfterDays") if s[n] < 0]
+    if s["deleteAfterDays"]:
+        # A lifecycle rule deletes by age alone (daysAfterModificationGreaterThan): it would expire the
+        # newest and only checkpoints of a paused campaign. No lifecycle filter can spare "the newest N".
+        yield _fail("deleteAfterDays", s["deleteAfterDays"],
+                    "would let the Blob lifecycle policy delete checkpoints by age, the newest ones included",
+                    "remove it (pulumi config rm tiered:deleteAfterDays) and expire old checkpoints with "
+                    "`tiered-ckpt archive retention plan|apply`, which keeps the newest retentionMinKeep committed ones")
+    negative = [n for n in ("coolAfterDays", "coldAfterDays") if s[n] < 0]
     for name in negative:
         yield _fail(name, s[name], "is negative", "use a number of days, or 0 for never")
     if not negative:
-        steps = [(n, s[n]) for n in ("coolAfterDays", "coldAfterDays", "deleteAfterDays") if s[n] > 0]
+        steps = [(n, s[n]) for n in ("coolAfterDays", "coldAfterDays") if s[n] > 0]
         for (a, da), (b, db) in zip(steps, steps[1:], strict=False):
             if db <= da:
                 yield _fail(b, db, f"is not after {_k(a)} ({da})", f"make {_k(b)} larger than {da}, or 0 for never")

@@ -10,7 +10,7 @@ import pytest
 from components import oncalendar, settings
 from tiered_ops.mockrun import stack_config
 
-from .conftest import SSH_KEY
+from .conftest import SSH_KEY, Plan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,3 +58,19 @@ def test_a_checkpoint_prefix_that_also_matches_a_sibling_is_refused(prefix: str,
 def test_prefixes_no_sibling_starts_with_pass(prefix: str) -> None:
     s = settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY, "checkpointPrefix": prefix}), "prod")
     assert s.blob_prefix == prefix.strip("/")
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_an_age_based_archive_delete_is_refused_and_points_to_archive_retention(stack: str) -> None:
+    msg = _refused(stack, deleteAfterDays="30")
+    assert "tiered:deleteAfterDays" in msg and "30" in msg and "tiered-ckpt archive retention" in msg
+    assert "newest" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("stack", ["dev", "prod"])
+def test_the_lifecycle_policy_only_tiers_and_never_deletes(plan: Plan, stack: str) -> None:
+    p = plan(stack)
+    for rule in p.one("azure-native:storage:ManagementPolicy").inputs["policy"]["rules"]:
+        actions = rule["definition"]["actions"]
+        assert "delete" not in actions.get("baseBlob", {}) and "snapshot" not in actions and "version" not in actions
+        assert set(actions["baseBlob"]) <= {"tierToCool", "tierToCold"}
