@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import hashlib
 import json
 import sys
 from typing import Any
@@ -140,10 +141,30 @@ def _fmt(v: Any) -> str:
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
+def _elided(key: str, v: Any) -> dict[str, Any] | None:
+    """Opaque base64 inputs, shown by what they are: the custom data (decoded under "cloudInit", where the
+    sha256 of the same bytes is given) and a dynamic provider's serialized code. Long base64 runs in plan
+    output would also hide a leaked key from the secret scans."""
+    if key == "__provider":
+        return {"elided": "serialized dynamic provider (Pulumi dynamic resource)", "chars": len(str(v))}
+    if key == "customData" and isinstance(v, str):
+        try:
+            raw = base64.b64decode(v, validate=True)
+        except binascii.Error:
+            return None
+        return {"elided": "base64 custom data, decoded under cloudInit", "bytes": len(raw),
+                "sha256": hashlib.sha256(raw).hexdigest()}
+    return None
+
+
 def _jsonable(v: Any) -> Any:
     """Mock inputs as JSON: protobuf floats that are whole numbers back to ints, assets as their kind and path."""
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        out: dict[str, Any] = {}
+        for k, x in v.items():
+            short = _elided(str(k), x)
+            out[str(k)] = short if short is not None else _jsonable(x)
+        return out
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     if isinstance(v, float) and v.is_integer():
@@ -207,6 +228,7 @@ def cloud_init(result: mockrun.PreviewResult) -> list[dict[str, Any]]:
                 out.append(entry)
                 continue
             entry["bytes"] = len(text.encode())
+            entry["sha256"] = hashlib.sha256(text.encode()).hexdigest()
             entry["text"] = text
             if text.startswith("#cloud-config"):
                 entry["cloudConfig"] = yaml.safe_load(text)
