@@ -22,13 +22,18 @@ import yaml
 
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig, dump, validate
 
-from . import slurm_conf
+from . import node_lock, slurm_conf
 
 CUSTOM_DATA_LIMIT = 65535   # bytes of decoded custom data Azure accepts
 MOUNT = "/lustrefs"
 VENV = "/opt/tiered-ckpt"
 CONFIG_PATH = "/etc/tiered-ckpt/config.yaml"
 UNIT = "tiered-ckpt-retention"
+# fstab options: the AMLFS docs' client-connect/automount example (noatime, flock, _netdev,
+# x-systemd.automount) plus nofail (systemd.mount(5)).
+FSTAB_OPTIONS = "defaults,noatime,flock,_netdev,x-systemd.automount,nofail"
+MOUNT_UNIT = MOUNT.strip("/").replace("/", "-")   # systemd-escape -p, for a path without special characters
+NODE_REQUIREMENTS = "/etc/tiered-ckpt/node-requirements.txt"
 # The unprivileged system user the retention timer runs as, and the group that owns the checkpoint
 # root (training users join it). Fixed ids: every node mounts the same file system, so the group
 # must map to the same number everywhere (a dynamically allocated system id differs between nodes
@@ -41,6 +46,7 @@ TRAINING_GID = 2743
 TRAINING_UID = 2744
 ROLE_NODE, ROLE_LOGIN, ROLE_BYO = "node", "login", "byo"
 WORK_DIR = "work"          # /lustrefs/work: shared by the login VM and every node
+SLURM_DIR = ".slurm"       # /lustrefs/.slurm: slurmctld's state (survives a replaced login VM)
 BOOTSTRAP = "/usr/local/sbin/tiered-ckpt-bootstrap"
 HEALTHCHECK = "/usr/local/sbin/tiered-ckpt-healthcheck"
 MUNGE_KEY_TOOL = "/usr/local/sbin/tiered-ckpt-munge-key"
@@ -176,32 +182,43 @@ set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 log() {{ echo "tiered-ckpt-bootstrap: $*"; }}
 
-# 1. Kernel held: an AMLFS Lustre client is built for one kernel; a newer kernel breaks the mount.
-apt-mark hold linux-azure linux-image-azure linux-headers-azure "linux-image-$(uname -r)" "linux-headers-$(uname -r)" || true
-
-# 2. Lustre client: the ubuntu-hpc image ships it; otherwise install the build matching this kernel.
-if ! modinfo lustre >/dev/null 2>&1; then
-  log "installing the AMLFS Lustre client for kernel $(uname -r)"
+# 1-2. Lustre client (Azure docs, "Install the Azure Managed Lustre client": prebuilt kmod or DKMS, never
+#    both). Current Ubuntu-HPC images ship the DKMS client (amlfs-lustre-client-dkms-<version>), which
+#    rebuilds the module for every kernel the image installs, so the kernel is not held. A node whose image
+#    has no client gets the DKMS client too (the packages need this kernel's headers). Only an image that
+#    ships a prebuilt kmod client (and no DKMS one) keeps it, with its kernel held: a kmod is built for one kernel.
+dkms_pkg=$(dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}}\n' 'amlfs-lustre-client-dkms-*' 2>/dev/null | awk '$2 ~ /^ii/ {{print $1}}' | sort -rV | head -n1 || true)
+if [ -n "$dkms_pkg" ]; then
+  log "Lustre client: $dkms_pkg (DKMS, from the image)"
+  modinfo lustre >/dev/null 2>&1 || dkms autoinstall || {{ log "DKMS could not build the Lustre module for kernel $(uname -r)"; exit 1; }}
+elif modinfo lustre >/dev/null 2>&1; then
+  log "Lustre client: prebuilt kmod from the image; holding kernel $(uname -r)"
+  apt-mark hold linux-azure linux-image-azure linux-headers-azure "linux-image-$(uname -r)" "linux-headers-$(uname -r)" || true
+else
+  log "installing the AMLFS Lustre DKMS client for kernel $(uname -r)"
   . /etc/os-release
   curl -fsSL https://packages.microsoft.com/keys/microsoft.asc | gpg --dearmor --yes -o /usr/share/keyrings/microsoft-amlfs.gpg
   echo "deb [arch=amd64 signed-by=/usr/share/keyrings/microsoft-amlfs.gpg] https://packages.microsoft.com/repos/amlfs-${{VERSION_CODENAME}}/ ${{VERSION_CODENAME}} main" > /etc/apt/sources.list.d/amlfs.list
   apt-get update -q
-  # Each amlfs-lustre-client-<lustre version> package has one version per kernel it was built for; the
-  # newest Lustre release may not be built yet for this image's kernel, so take the newest that is.
-  pkg=""
-  for p in $(apt-cache search --names-only '^amlfs-lustre-client-' | awk '{{print $1}}' | sort -rV); do
-    if apt-cache madison "$p" | awk -F'|' '{{gsub(/ /, "", $2); print $2}}' | grep -qxF "$(uname -r)"; then pkg=$p; break; fi
-  done
-  [ -n "$pkg" ] || {{ log "no amlfs-lustre-client package is built for kernel $(uname -r)"; exit 1; }}
-  apt-get install -y -q "$pkg=$(uname -r)"
-  apt-mark hold "$pkg"
+  dkms_pkg=$(apt-cache search --names-only '^amlfs-lustre-client-dkms-' | awk '{{print $1}}' | sort -rV | head -n1)
+  [ -n "$dkms_pkg" ] || {{ log "no amlfs-lustre-client-dkms package in the AMLFS repository for ${{VERSION_CODENAME}}"; exit 1; }}
+  apt-get install -y -q "linux-headers-$(uname -r)" "$dkms_pkg"
 fi
+modprobe lustre || {{ log "the Lustre kernel module does not load on kernel $(uname -r)"; exit 1; }}
 
-# 3. Mount AMLFS (fstab with _netdev so boot waits for the network).
+# 3. Mount AMLFS. fstab as the AMLFS docs' automount example: _netdev (a network file system),
+#    x-systemd.automount (mounted on first access, so boot never waits for the MGS: systemd.mount(5)),
+#    nofail (an unreachable file system never drops the VM into emergency mode; the health check drains it).
 mkdir -p {MOUNT}
-grep -q ' {MOUNT} lustre ' /etc/fstab || echo '{n.mgs_address}@tcp:/lustrefs {MOUNT} lustre _netdev,noatime,flock 0 0' >> /etc/fstab
-for i in $(seq 1 30); do mountpoint -q {MOUNT} && break; mount {MOUNT} || sleep 10; done
-mountpoint -q {MOUNT} || {{ log "could not mount {MOUNT} from {n.mgs_address}@tcp"; exit 1; }}
+sed -i '\\| {MOUNT} lustre |d' /etc/fstab
+echo '{n.mgs_address}@tcp:/lustrefs {MOUNT} lustre {FSTAB_OPTIONS} 0 0' >> /etc/fstab
+systemctl daemon-reload      # systemd-fstab-generator(8) turns the entry into {MOUNT_UNIT}.automount
+systemctl start {MOUNT_UNIT}.automount
+for i in $(seq 1 30); do
+  findmnt -n -t lustre {MOUNT} >/dev/null && break
+  timeout 60 stat -t {MOUNT}/ >/dev/null 2>&1 || sleep 10     # the first access mounts it
+done
+findmnt -n -t lustre {MOUNT} >/dev/null || {{ log "could not mount {MOUNT} from {n.mgs_address}@tcp"; exit 1; }}
 
 # 4. The toolkit: private blob, fetched with the node's managed identity, verified by sha256.
 #    Role assignments can take minutes to propagate: retry for up to ~15 minutes.
@@ -228,8 +245,11 @@ tarball=/var/lib/tiered-ckpt/toolkit.tar.gz
 rm -rf {VENV}/src && mkdir -p {VENV}/src
 tar -xzf "$tarball" -C {VENV}/src
 python3 -m venv {VENV}
-{VENV}/bin/pip install -q --upgrade pip
-{VENV}/bin/pip install -q {VENV}/src
+# Dependencies in pip's hash-checking mode from the lock the program ships (components/node_lock.py):
+# every wheel pinned and its sha256 checked, pip and the build backend included; then the toolkit
+# itself (already sha256-checked above) with no dependency resolution, no index and no build isolation.
+{VENV}/bin/pip install -q --require-hashes --only-binary=:all: -r {NODE_REQUIREMENTS}
+{VENV}/bin/pip install -q --no-deps --no-index --no-build-isolation {VENV}/src
 ln -sf {VENV}/bin/tiered-ckpt /usr/local/bin/tiered-ckpt
 """
 
@@ -382,10 +402,11 @@ def _healthcheck(n: NodeInputs) -> str:
 # tiered-ckpt Slurm health check (generated by the Pulumi program; see components/cloud_init.py)
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 problems=()
-if ! mountpoint -q {MOUNT}; then
-  problems+=("lustre {MOUNT} not mounted")
-elif ! timeout 30 stat -t {MOUNT}/ >/dev/null 2>&1; then
+# stat first: {MOUNT} is an automount point (fstab x-systemd.automount), the access mounts it.
+if ! timeout 30 stat -t {MOUNT}/ >/dev/null 2>&1; then
   problems+=("lustre {MOUNT} not responding")
+elif ! findmnt -n -t lustre {MOUNT} >/dev/null; then
+  problems+=("lustre {MOUNT} not mounted")
 fi
 gpus=$(timeout 60 nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 [ "${{gpus:-0}}" -ge {n.gpus_per_node} ] || problems+=("${{gpus:-0}} of {n.gpus_per_node} GPUs visible")
@@ -458,7 +479,8 @@ def _nccl_profile(n: NodeInputs) -> list[dict[str, str]]:
 
 def files(n: NodeInputs) -> list[dict[str, str]]:
     """Every file the VM gets (cloud-init write_files entries), the bootstrap last."""
-    out = [{"path": CONFIG_PATH, "permissions": "0644", "owner": "root:root", "content": dump(node_config(n))}]
+    out = [{"path": CONFIG_PATH, "permissions": "0644", "owner": "root:root", "content": dump(node_config(n))},
+           {"path": NODE_REQUIREMENTS, "permissions": "0644", "owner": "root:root", "content": node_lock.LOCK.read_text()}]
     out += (_retention_units(n) if n.retention else []) + _slurm_files(n) + _nccl_profile(n)
     out.append({"path": BOOTSTRAP, "permissions": "0755", "content": _bootstrap(n)})
     return out

@@ -44,7 +44,7 @@ KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
 KEY_VAULT_SECRETS_OFFICER = "b86a8fe4-44ce-4948-aee5-eccb2c155cd7"
 MUNGE_SECRET = "munge-key"
 # slurmctld state on Lustre: a replaced login VM (new custom data) resumes the queue.
-SLURM_STATE_DIR = f"{cloud_init.MOUNT}/.slurm/slurmctld"
+SLURM_STATE_DIR = f"{cloud_init.MOUNT}/{cloud_init.SLURM_DIR}/slurmctld"
 # Terminate notice the scale set gives each instance (5-15 min; Azure docs, "Terminate notification for
 # Azure Virtual Machine Scale Set instances"): time to drain and unmount Lustre cleanly.
 TERMINATE_NOTICE = "PT10M"
@@ -119,7 +119,14 @@ class Cluster(pulumi.ComponentResource):
                                                 container_name=TOOLS_CONTAINER, public_access=storage.PublicAccess.NONE, opts=child)
         blob = storage.Blob(f"{name}-toolkit", resource_group_name=rg, account_name=tools.name,
                             container_name=tools_container.name, blob_name=args.toolkit.blob_name, type=storage.BlobType.BLOCK,
-                            content_type="application/gzip", source=pulumi.FileAsset(str(args.toolkit.path)), opts=child)
+                            content_type="application/gzip", source=pulumi.FileAsset(str(args.toolkit.path)),
+                            # The name is content-addressed, so a toolkit change replaces the blob; instances
+                            # created from the previous custom data (a scale-set instance not yet on the latest
+                            # model, a reimage) still fetch the old name. retainOnDelete: the replaced blob stays
+                            # in the account (Pulumi docs, "Resource options: retainOnDelete"); docs/deploy.md
+                            # "Old toolkit blobs" says when and how to delete them. Deleting the stack deletes
+                            # the tools account and every blob in it.
+                            opts=pulumi.ResourceOptions(parent=self, retain_on_delete=True))
 
         def grant(short: str, scope: pulumi.Input[str], role_id: pulumi.Input[str]) -> authorization.RoleAssignment:
             return authorization.RoleAssignment(

@@ -114,9 +114,12 @@ class CoreStorage(pulumi.ComponentResource):
         def after(days: int) -> storage.DateAfterModificationArgs | None:   # 0 = never (Settings)
             return storage.DateAfterModificationArgs(days_after_modification_greater_than=days) if days else None
 
+        # Tiering only, never an age-based delete: a rule knows blob ages, not which checkpoint is the
+        # newest, so a delete would expire a paused campaign's only checkpoints (settings refuse
+        # deleteAfterDays). Expiry is `tiered-ckpt archive retention`, which keeps the newest ones.
         base_blob = storage.ManagementPolicyBaseBlobArgs(
-            tier_to_cool=after(s.cool_after_days), tier_to_cold=after(s.cold_after_days), delete=after(s.delete_after_days))
-        if s.cool_after_days or s.cold_after_days or s.delete_after_days:
+            tier_to_cool=after(s.cool_after_days), tier_to_cold=after(s.cold_after_days))
+        if s.cool_after_days or s.cold_after_days:
             storage.ManagementPolicy(
                 f"{name}-lifecycle",
                 resource_group_name=rg.name,

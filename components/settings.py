@@ -13,7 +13,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from . import sizing, subnets
+from tiered_ckpt.lifecycle.archive_retention import JOURNAL_PREFIX
+
+from . import cloud_init, oncalendar, sizing, subnets
 
 NAMESPACE = "tiered"
 
@@ -214,8 +216,8 @@ class Settings:
         "Lifecycle: move archived checkpoints to the cool tier after N days (0 = never).")
     cold_after_days: int = key("coldAfterDays", 90,
         "Lifecycle: move them to the cold tier after N days (0 = never).")
-    delete_after_days: int = key("deleteAfterDays", 365,
-        "Lifecycle: delete them from Blob after N days (0 = never).")
+    delete_after_days: int = key("deleteAfterDays", 0,
+        "Refused unless 0: an age-based Blob delete would expire the newest checkpoints too; use `tiered-ckpt archive retention`.")
     soft_delete_days: int = key("softDeleteDays", 14,
         "Blob soft delete retention, 1-365 days.")
     retention_keep_last: int = key("retentionKeepLast", 3,
@@ -330,11 +332,18 @@ def _check_storage(s: dict[str, Any]) -> Problems:
         yield _fail("storageSku", s["storageSku"], "is not a supported redundancy", f"use one of {', '.join(STORAGE_SKUS)}")
     if not (1 <= s["softDeleteDays"] <= 365):
         yield _fail("softDeleteDays", s["softDeleteDays"], "is outside 1-365", "set the blob soft delete retention in days, e.g. 14")
-    negative = [n for n in ("coolAfterDays", "coldAfterDays", "deleteAfterDays") if s[n] < 0]
+    if s["deleteAfterDays"]:
+        # A lifecycle rule deletes by age alone (daysAfterModificationGreaterThan): it would expire the
+        # newest and only checkpoints of a paused campaign. No lifecycle filter can spare "the newest N".
+        yield _fail("deleteAfterDays", s["deleteAfterDays"],
+                    "would let the Blob lifecycle policy delete checkpoints by age, the newest ones included",
+                    "remove it (pulumi config rm tiered:deleteAfterDays) and expire old checkpoints with "
+                    "`tiered-ckpt archive retention plan|apply`, which keeps the newest retentionMinKeep committed ones")
+    negative = [n for n in ("coolAfterDays", "coldAfterDays") if s[n] < 0]
     for name in negative:
         yield _fail(name, s[name], "is negative", "use a number of days, or 0 for never")
     if not negative:
-        steps = [(n, s[n]) for n in ("coolAfterDays", "coldAfterDays", "deleteAfterDays") if s[n] > 0]
+        steps = [(n, s[n]) for n in ("coolAfterDays", "coldAfterDays") if s[n] > 0]
         for (a, da), (b, db) in zip(steps, steps[1:], strict=False):
             if db <= da:
                 yield _fail(b, db, f"is not after {_k(a)} ({da})", f"make {_k(b)} larger than {da}, or 0 for never")
@@ -343,8 +352,28 @@ def _check_storage(s: dict[str, Any]) -> Problems:
         yield _fail("checkpointPrefix", prefix, "is not an absolute path", "start it with '/', e.g. /checkpoints")
     elif prefix.strip("/") == "" or not re.fullmatch(r"/[A-Za-z0-9._/-]+", prefix) or "//" in prefix or ".." in prefix.split("/"):
         yield _fail("checkpointPrefix", prefix, "is not a usable checkpoint directory", "use a path below the mount such as /checkpoints (letters, digits, . _ - /)")
+    else:
+        yield from _check_siblings(prefix.strip("/"))
     if not MODEL.fullmatch(s["modelName"]):
         yield _fail("modelName", s["modelName"], "is not a valid model directory name", "use letters, digits, '.', '_' or '-'")
+
+
+# What else the deployment puts next to the checkpoint prefix: on Lustre (the shared work directory,
+# slurmctld's state) and in the data container (archive retention's journal). The AMLFS import prefix
+# and auto-export prefix are string prefixes (REST spec: "blobs ... that start with this path/prefix"),
+# and no AMLFS doc or spec says a trailing '/' is accepted, so `/checkpoints` would also import and
+# export `checkpoints2/...`. The program therefore refuses a prefix that is a string prefix of any of
+# these names (docs/deploy.md asks operators to create no sibling such as /lustrefs/checkpoints-old).
+SIBLINGS = (cloud_init.WORK_DIR, cloud_init.SLURM_DIR, JOURNAL_PREFIX)
+
+
+def _check_siblings(blob_prefix: str) -> Problems:
+    for other in SIBLINGS:
+        if other.startswith(blob_prefix) or blob_prefix.startswith(other.split("/")[0] + "/"):
+            yield _fail("checkpointPrefix", "/" + blob_prefix,
+                        f"would also match {other!r}, which the deployment keeps next to the checkpoints (AMLFS import "
+                        "and auto-export prefixes are string prefixes)",
+                        "choose a prefix that no other top-level name starts with, e.g. /checkpoints")
 
 
 def _check_amlfs(s: dict[str, Any], stack: str) -> Problems:
@@ -519,8 +548,10 @@ def _check_toolkit(s: dict[str, Any]) -> Problems:
             yield _fail(name, s[name], f"is below {minimum}", f"set a whole number >= {minimum}")
     if s["retentionAction"] not in RETENTION_ACTIONS:
         yield _fail("retentionAction", s["retentionAction"], "is not a retention action", "use release or delete")
-    if not re.fullmatch(r"[0-9A-Za-z*:/,. -]+", s["retentionSchedule"]):
-        yield _fail("retentionSchedule", s["retentionSchedule"], "is not a systemd OnCalendar expression", "use e.g. *:0/15 or hourly")
+    why = oncalendar.problem(s["retentionSchedule"])
+    if why:
+        yield _fail("retentionSchedule", s["retentionSchedule"], f"is not a systemd OnCalendar expression: {why}",
+                    "use e.g. *:0/15, hourly or 'Mon..Fri 02:00' (systemd.time(7); check with: systemd-analyze calendar '<value>')")
 
 
 def _check_common(s: dict[str, Any]) -> Problems:

@@ -128,6 +128,7 @@ class GateResult:
     missing_bytes: int = 0                  # bytes of files not (yet) proven in Blob
     total_bytes: int = 0
     proofs: dict[str, str] = field(default_factory=dict)   # checkpoint -> which content proof was used
+    committed_utc: dict[str, datetime | None] = field(default_factory=dict)   # checkpoint -> its commit time
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -317,6 +318,7 @@ def evaluate(ev: Evidence) -> GateResult:
             evidence=("the stack has no file system any more (compute side off): nothing is left on Lustre to protect",),
             newest=newest_blob.key if newest_blob else None,
             newest_committed_utc=newest_blob.committed_utc if newest_blob else None,
+            committed_utc={r.key: r.committed_utc for r in ev.blob_checkpoints},
         )
     evidence: list[str] = []
     warnings: list[str] = []
@@ -370,4 +372,5 @@ def evaluate(ev: Evidence) -> GateResult:
         missing_bytes=missing_bytes,
         total_bytes=total,
         proofs=proofs,
+        committed_utc={r.key: r.committed_utc for r in expected},
     )

@@ -52,6 +52,7 @@ class Res:
     state: dict[str, Any] = field(default_factory=dict)
     replace_on_changes: list[str] = field(default_factory=list)
     delete_before_replace: bool = False
+    retain_on_delete: bool = False
 
 
 @dataclass
@@ -233,7 +234,8 @@ def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str],
                     inputs=rpc.deserialize_properties(request.object) if request.custom else {},
                     deps=list(request.dependencies), protect=bool(request.protect),
                     timeouts={k: v for k, v in (("create", t.create), ("update", t.update), ("delete", t.delete)) if v},
-                    replace_on_changes=list(request.replaceOnChanges), delete_before_replace=bool(request.deleteBeforeReplace))
+                    replace_on_changes=list(request.replaceOnChanges), delete_before_replace=bool(request.deleteBeforeReplace),
+                    retain_on_delete=bool(request.retainOnDelete))
             return super().RegisterResource(request)
 
     set_all_config(config)

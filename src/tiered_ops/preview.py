@@ -5,16 +5,33 @@
 No Azure credentials, no Pulumi CLI: the program (__main__.py) runs exactly as `pulumi up` would run
 it, against mocks (tiered_ops/mockrun.py). Prints every resource (type, name, key properties) and
 the sizing report. A refused setting prints its one-line message and exits 2 (EXIT_USAGE).
+
+--json adds, like `pulumi preview --json`'s "steps", every resource's full inputs as structured JSON,
+and "cloudInit": the custom data of every VM and scale set base64-decoded, with its #cloud-config
+parsed, so a reviewer reads the boot script with jq, e.g.
+
+    python -m tiered_ops.preview --stack prod --json | jq -r '.cloudInit[] | select(.type | endswith("VirtualMachineScaleSet"))
+        | .cloudConfig.write_files[] | select(.path == "/usr/local/sbin/tiered-ckpt-bootstrap") | .content'
+
+Values that only the mocks know (the AMLFS MGS address, subscription/tenant/identity ids, ARM ids)
+are listed under "placeholders" with what they stand for; each cloudInit entry names the ones it holds.
 """
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
+import hashlib
+import json
 import sys
 from typing import Any
 
+import yaml
+
 from components import sizing
-from tiered_ckpt.cli.output import print_error, print_json
+from tiered_ckpt.cli.output import print_error
 from tiered_ckpt.errors import EXIT_OK, EXIT_USAGE
+from tiered_ckpt.redact import redact_data
 from tiered_ops import mockrun
 from tiered_ops.mockrun import Res
 
@@ -124,6 +141,102 @@ def _fmt(v: Any) -> str:
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
+def _elided(key: str, v: Any) -> dict[str, Any] | None:
+    """Opaque base64 inputs, shown by what they are: the custom data (decoded under "cloudInit", where the
+    sha256 of the same bytes is given) and a dynamic provider's serialized code. Long base64 runs in plan
+    output would also hide a leaked key from the secret scans."""
+    if key == "__provider":
+        return {"elided": "serialized dynamic provider (Pulumi dynamic resource)", "chars": len(str(v))}
+    if key == "customData" and isinstance(v, str):
+        try:
+            raw = base64.b64decode(v, validate=True)
+        except binascii.Error:
+            return None
+        return {"elided": "base64 custom data, decoded under cloudInit", "bytes": len(raw),
+                "sha256": hashlib.sha256(raw).hexdigest()}
+    return None
+
+
+def _jsonable(v: Any) -> Any:
+    """Mock inputs as JSON: protobuf floats that are whole numbers back to ints, assets as their kind and path."""
+    if isinstance(v, dict):
+        out: dict[str, Any] = {}
+        for k, x in v.items():
+            short = _elided(str(k), x)
+            out[str(k)] = short if short is not None else _jsonable(x)
+        return out
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    if hasattr(v, "path"):          # pulumi.FileAsset / FileArchive
+        return {"asset": type(v).__name__, "path": str(v.path)}
+    return str(v)
+
+
+def placeholders(result: mockrun.PreviewResult) -> list[dict[str, str]]:
+    """Every value the mocks invent, labelled: a real `pulumi up` gets these from Azure."""
+    out = [
+        {"value": mockrun.MOCK_MGS, "label": "mgsAddress",
+         "what": "AmlFilesystem clientInfo.mgsAddress: the file system's MGS address, known only once AMLFS exists"},
+        {"value": mockrun.MOCK_SUBSCRIPTION, "label": "subscriptionId", "what": "the deploying subscription (getClientConfig)"},
+        {"value": mockrun.MOCK_TENANT, "label": "tenantId", "what": "the deploying tenant (getClientConfig)"},
+        {"value": mockrun.MOCK_RP_OBJECT_ID, "label": "rpPrincipalObjectId",
+         "what": "object id of the HPC Cache Resource Provider service principal in your tenant"},
+        {"value": mockrun.MOCK_PUBLIC_IP, "label": "publicIpAddress", "what": "a public IP address Azure allocates"},
+        {"value": f"/subscriptions/{mockrun.MOCK_SUBSCRIPTION}/", "label": "resourceId",
+         "what": "prefix of every ARM resource id: ids are invented by the mocks"},
+    ]
+    for r in result.resources:
+        if r.type == "azure-native:managedidentity:UserAssignedIdentity":
+            for k in ("clientId", "principalId"):
+                if r.state.get(k):
+                    out.append({"value": str(r.state[k]), "label": f"{r.name}.{k}", "what": f"the identity's {k}, assigned by Entra ID"})
+    return out
+
+
+def _custom_data(v: Any, path: str = "") -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+    if isinstance(v, dict):
+        for k, x in v.items():
+            p = f"{path}.{k}" if path else k
+            if k == "customData" and isinstance(x, str):
+                found.append((p, x))
+            else:
+                found += _custom_data(x, p)
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found += _custom_data(x, f"{path}[{i}]")
+    return found
+
+
+def cloud_init(result: mockrun.PreviewResult) -> list[dict[str, Any]]:
+    """The decoded custom data of every VM and scale set."""
+    marks = placeholders(result)
+    out: list[dict[str, Any]] = []
+    for r in result.resources:
+        if not r.custom:
+            continue
+        for where, b64 in _custom_data(r.inputs):
+            entry: dict[str, Any] = {"type": r.type, "name": r.name, "input": where}
+            try:
+                text = base64.b64decode(b64, validate=True).decode()
+            except (binascii.Error, UnicodeDecodeError) as err:
+                entry["error"] = f"not base64 UTF-8 text: {err}"
+                out.append(entry)
+                continue
+            entry["bytes"] = len(text.encode())
+            entry["sha256"] = hashlib.sha256(text.encode()).hexdigest()
+            entry["text"] = text
+            if text.startswith("#cloud-config"):
+                entry["cloudConfig"] = yaml.safe_load(text)
+            entry["placeholders"] = sorted({m["label"] for m in marks if m["value"] in text})
+            out.append(entry)
+    return out
+
+
 def parse_sets(items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
@@ -148,9 +261,19 @@ def main(argv: list[str] | None = None) -> int:
     z = result.outputs.get("sizing") or {}
     custom = [r for r in result.resources if r.custom]
     if args.json:
-        print_json({"ok": True, "stack": result.stack, "notes": result.notes, "outputs": result.outputs,
-                    "resources": [{"type": r.type, "name": r.name, "parent": r.parent.rsplit("::", 1)[-1],
-                                   "properties": key_properties(r)} for r in custom]})
+        doc = redact_data({"ok": True, "stack": result.stack, "notes": result.notes, "outputs": _jsonable(result.outputs),
+                           "resources": [{"type": r.type, "name": r.name, "parent": r.parent.rsplit("::", 1)[-1],
+                                          "properties": key_properties(r)} for r in custom],
+                           # Shaped like `pulumi preview --json` steps (op, urn, inputs); every step creates.
+                           "steps": [{"op": "create", "urn": r.urn, "type": r.type, "name": r.name, "parent": r.parent,
+                                      "custom": r.custom, "protect": r.protect, "retainOnDelete": r.retain_on_delete,
+                                      "inputs": _jsonable(r.inputs)} for r in result.resources],
+                           "placeholders": placeholders(result)})
+        # The decoded custom data is not redacted: it is the same bytes the steps carry base64-encoded
+        # (which no redaction pattern sees), it holds no secret by design (tests scan it), and the
+        # redaction patterns would rewrite the script's own words ("bearer token", the curl header).
+        doc["cloudInit"] = cloud_init(result)
+        sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         return EXIT_OK
     print(f"pulumi up --stack {result.stack} would create {len(custom)} resources "
           f"(compute side {'on' if result.outputs.get('computeEnabled') else 'OFF: archive only'}):")

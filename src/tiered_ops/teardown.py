@@ -19,6 +19,7 @@ from tiered_ckpt.cli.output import human_bytes, redact
 from tiered_ckpt.errors import EXIT_FAILED, UserError
 from tiered_ckpt.tiers.arm import AmlfsJobs, ArchiveProgress
 from tiered_ckpt.tiers.arm_model import ADMIN_DISABLE, ADMIN_ENABLE, AUTOEXPORT_DISABLED, AUTOEXPORT_RUNNING
+from tiered_ops import archive_tiering
 from tiered_ops.evidence import Collector, StackOutputs
 from tiered_ops.gate import EXPORT_NOT_FOUND, GateResult, ManualArchive, evaluate
 from tiered_ops.pulumi_cli import PulumiCli
@@ -62,6 +63,7 @@ class Teardown:
         self.journal = Journal.load(opts.state_dir, opts.stack)
         self.evidence = Collector(opts, self.journal, self.say)
         self.manual: ManualArchive | None = None
+        self.lifecycle: dict[str, int] = {}     # coolAfterDays/coldAfterDays, read at the start of run()
 
     # -- output -----------------------------------------------------------------------------
     def say(self, msg: str) -> None:
@@ -200,6 +202,8 @@ class Teardown:
         before = StackOutputs(self.pulumi.outputs())
         self.outputs = before
         before.require("storageAccountName", "dataContainer")
+        # Read before anything changes: the report says when each kept checkpoint tiers under them.
+        self.lifecycle = archive_tiering.lifecycle_days(self.pulumi.config_get)
         resumed = sorted(self.journal.data["steps"])
         if resumed:
             self.say(f"continuing an interrupted teardown (done: {', '.join(resumed)}; journal {self.journal.path})")
@@ -228,6 +232,9 @@ class Teardown:
             self.say("dry run: these steps would run; nothing was changed:")
             for s in steps:
                 self.say(f"  {s['step']}: {s['what']}" + (f"\n      {s['command']}" if s["command"] else ""))
+            result["archive_tiering"], lines = self.tiering(gate)
+            for line in lines:
+                self.say(line)
             result["ok"] = True
             return result
         if self.o.force and not gate.ok:
@@ -332,6 +339,16 @@ class Teardown:
                      "--force (you will be asked to type the stack name)")
         return "\n".join(lines)
 
+    def tiering(self, gate: GateResult) -> tuple[list[dict[str, Any]], list[str]]:
+        """When each kept checkpoint's blobs tier under this stack's lifecycle policy (and that none expires):
+        the --json entries and the lines to print."""
+        cool, cold = self.lifecycle["coolAfterDays"], self.lifecycle["coldAfterDays"]
+        plan = archive_tiering.schedule(gate.committed_utc, cool, cold)
+        lines = [f"Kept checkpoints under the Blob lifecycle policy (coolAfterDays {cool}, coldAfterDays {cold}; "
+                 "counted from each blob's export):"] if plan else []
+        lines += [f"  {t.sentence(cool, cold)}" for t in plan]
+        return [t.to_json() for t in plan], lines
+
     def report(self, before: StackOutputs, after: StackOutputs, gate: GateResult) -> dict[str, Any]:
         removed = {k: before.get(k) for k in ("amlfsName", "autoExportJobName", "computeResourceGroup", "nodeCount", "scaleSetName")
                    if before.get(k) is not None}
@@ -340,7 +357,8 @@ class Teardown:
                    "dataContainer": after.get("dataContainer") or before.get("dataContainer"),
                    "checkpointPrefix": before.prefix, "newestCheckpoint": gate.newest,
                    "checkpoints": len(gate.checkpoints)}
-        out = {"removed": removed, "archive": archive, "come_back": self.come_back()}
+        tiering, lines = self.tiering(gate)
+        out = {"removed": removed, "archive": archive, "come_back": self.come_back(), "archive_tiering": tiering}
         if not self.o.as_json:
             print(f"Teardown of stack {self.o.stack} done.")
             if removed:
@@ -351,6 +369,8 @@ class Teardown:
                 print("Removed: nothing this time (the compute side was already gone); the stack is converged.")
             print(f"Checkpoints are in storage account {archive['storageAccountName']}, container {archive['dataContainer']}, "
                   f"prefix {archive['checkpointPrefix']}/ ({archive['checkpoints']} committed; newest {gate.newest or 'none'}).")
+            for line in lines:
+                print(line)
             print("To come back:")
             for c in self.come_back():
                 print(f"  {c}")

@@ -166,6 +166,7 @@ def _fake_bins(tmp_path: Path, log: Path, mounted: bool = True, gpus: int = 8) -
         "umount": f'echo "umount $*" >> {log}; rm -f {tmp_path}/mounted',
         "fuser": f'echo "fuser $*" >> {log}',
         "mountpoint": f'[ -e {tmp_path}/mounted ]',
+        "findmnt": f'[ -e {tmp_path}/mounted ]',
         "nvidia-smi": f'for i in $(seq 1 {gpus}); do echo "GPU $((i-1)): NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done',
         "hostname": 'echo node7',
         "logger": f'echo "logger $*" >> {log}',
@@ -219,17 +220,20 @@ def _healthcheck(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("mounted", "gpus", "reason"), [
-    (False, 8, "tiered-ckpt health: lustre /lustrefs not mounted"),
-    (True, 7, "tiered-ckpt health: 7 of 8 GPUs visible"),
-    (False, 0, "tiered-ckpt health: lustre /lustrefs not mounted;0 of 8 GPUs visible"),
+# /lustrefs is an automount point: stat mounts it (or fails when the MGS is unreachable); a stat that
+# succeeds without a Lustre mount means the automount is missing.
+@pytest.mark.parametrize(("mounted", "responds", "gpus", "reason"), [
+    (False, True, 8, "tiered-ckpt health: lustre /lustrefs not mounted"),
+    (False, False, 8, "tiered-ckpt health: lustre /lustrefs not responding"),
+    (True, True, 7, "tiered-ckpt health: 7 of 8 GPUs visible"),
+    (False, True, 0, "tiered-ckpt health: lustre /lustrefs not mounted;0 of 8 GPUs visible"),
 ])
-def test_health_check_drains_a_node_without_lustre_or_gpus(tmp_path: Path, mounted: bool, gpus: int, reason: str) -> None:
+def test_health_check_drains_a_node_without_lustre_or_gpus(tmp_path: Path, mounted: bool, responds: bool, gpus: int,
+                                                          reason: str) -> None:
     log = tmp_path / "calls.log"
     env = _fake_bins(tmp_path, log, mounted=mounted, gpus=gpus)
-    if mounted:
-        (tmp_path / "bin" / "stat").write_text("#!/bin/bash\nexit 0\n")
-        (tmp_path / "bin" / "stat").chmod(0o755)
+    (tmp_path / "bin" / "stat").write_text(f"#!/bin/bash\nexit {0 if responds else 1}\n")
+    (tmp_path / "bin" / "stat").chmod(0o755)
     r = subprocess.run(["bash", str(_healthcheck(tmp_path))], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert f"scontrol update nodename=node7 state=drain reason={reason}" in log.read_text().splitlines()

@@ -1,12 +1,16 @@
 """The offline preview shows what a reviewer checks before `pulumi up`: NSG rules with ports, the InfiniBand VMSS settings."""
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tiered_ops import mockrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,3 +54,48 @@ def test_preview_text_prints_the_way_in() -> None:
     assert ("way in (bastion): az network bastion ssh --name tckpt-prod-bastion --resource-group tckpt-prod-compute-rg "
             "--target-resource-id /subscriptions/") in r.stdout
     assert "tiered:access:Bastion  tiered-bastion" in r.stdout and "compute:VirtualMachine " in r.stdout
+
+
+def _q(doc: Any, path: str) -> list[Any]:
+    """A jq-like selector over the preview JSON: 'a.b[].c' (a [] fans out over a list)."""
+    items = [doc]
+    for part in path.split("."):
+        fan = part.endswith("[]")
+        key = part.removesuffix("[]")
+        items = [x.get(key) for x in items if isinstance(x, dict) and key in x]
+        if fan:
+            items = [y for x in items for y in (x or [])]
+    return items
+
+
+@pytest.mark.timeout(120)
+def test_preview_json_has_structured_inputs_and_the_decoded_cloud_init_with_placeholders_labelled() -> None:
+    r = subprocess.run([sys.executable, "-m", "tiered_ops.preview", "--stack", "prod", "--json"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=110)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    steps = {s["name"]: s for s in doc["steps"]}
+    # Inputs as `pulumi preview --json` shows them: nested objects, whole numbers as numbers.
+    fs = next(s for s in doc["steps"] if s["type"] == "azure-native:storagecache:AmlFilesystem")
+    assert fs["op"] == "create" and fs["inputs"]["storageCapacityTiB"] == 128 and isinstance(fs["inputs"]["storageCapacityTiB"], int)
+    assert _q(fs, "inputs.hsm.settings.importPrefix") == ["/checkpoints"]
+    blob = steps["tiered-gpu-toolkit"]
+    assert blob["retainOnDelete"] is True and blob["inputs"]["source"]["asset"] == "FileAsset"
+    # The boot script of the scale set, as jq would pull it out, decoded and parsed.
+    vmss = next(c for c in doc["cloudInit"] if c["type"] == "azure-native:compute:VirtualMachineScaleSet")
+    assert vmss["input"] == "virtualMachineProfile.osProfile.customData"
+    boot = [f["content"] for f in _q(vmss, "cloudConfig.write_files[]") if f["path"] == "/usr/local/sbin/tiered-ckpt-bootstrap"]
+    assert len(boot) == 1 and "x-systemd.automount" in boot[0] and "--require-hashes" in boot[0]
+    # The step shows the custom data by size and hash (no long base64 run in plan output); the decoded text
+    # is those bytes: the program's own customData, decoded here independently.
+    shown = _q(steps["tiered-gpu-vmss"], "inputs.virtualMachineProfile.osProfile.customData")[0]
+    assert shown["bytes"] == vmss["bytes"] == len(vmss["text"].encode()) and shown["sha256"] == vmss["sha256"]
+    real = mockrun.run("prod").one("azure-native:compute:VirtualMachineScaleSet")
+    assert base64.b64decode(real.inputs["virtualMachineProfile"]["osProfile"]["customData"]).decode() == vmss["text"]
+    assert {c["name"] for c in doc["cloudInit"]} == {"tiered-gpu-vmss", "tiered-gpu-login"}
+    # What the mocks invented is labelled, and each boot script says which of those it holds.
+    labels = {p["label"]: p for p in doc["placeholders"]}
+    assert labels["mgsAddress"]["value"] == "10.42.0.4" and "known only once AMLFS exists" in labels["mgsAddress"]["what"]
+    assert f"{labels['mgsAddress']['value']}@tcp:/lustrefs" in boot[0]
+    assert "mgsAddress" in vmss["placeholders"] and "tiered-gpu-identity.clientId" in vmss["placeholders"]
+    assert all(s["urn"].startswith("urn:pulumi:prod::") for s in doc["steps"])

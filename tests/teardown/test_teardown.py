@@ -65,7 +65,8 @@ def test_dry_run_prints_every_step_and_changes_nothing(env: Env) -> None:
     archived_ckpts(env)
     r = env.run("--dry-run")
     assert r.rc == 0, r.err
-    assert env.mutating() == [] and env.commands() == ["stack output"]
+    # Reads only: the outputs, and the lifecycle settings the report dates the archive's tiering by.
+    assert env.mutating() == [] and env.commands() == ["stack output", "config get", "config get"]
     assert env.arm_changes() == []
     for cmd in (f"pulumi stack output --json --stack {STACK}", f"pulumi config set tiered:computeEnabled false --stack {STACK}",
                 f"pulumi preview --diff --stack {STACK}", f"pulumi up --yes --stack {STACK}", '"adminStatus": "Disable"'):
@@ -381,9 +382,9 @@ def test_runs_as_a_program_the_way_make_calls_it(env: Env) -> None:
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert res["ok"] is True and res["come_back"][0] == COME_BACK
-    assert env.commands() == ["stack output", "config get", "config set", "up", "stack output"]
-    assert env.calls()[2] == ["config", "set", "tiered:computeEnabled", "false", "--stack", STACK]
-    assert env.calls()[3] == ["up", "--yes", "--stack", STACK]
+    assert env.commands() == ["stack output", "config get", "config get", "config get", "config set", "up", "stack output"]
+    assert env.calls()[4] == ["config", "set", "tiered:computeEnabled", "false", "--stack", STACK]
+    assert env.calls()[5] == ["up", "--yes", "--stack", STACK]
 
 
 # ---------------------------------------------------------------------------------------------
