@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STACK ?= prod
 PYTEST_ARGS ?=
 
-.PHONY: all install debs demo test lint unit bench plan teardown clean
+.PHONY: all install debs demo test test-requeue lint unit bench plan teardown clean
 
 all: test
 
@@ -53,6 +53,11 @@ unit: install
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: install lint unit
+
+# The Slurm requeue test (USR1 at the time limit, `scontrol requeue`): timing-bound on a loaded
+# 2-core machine, so outside `make test`.
+test-requeue: install
+	$(BIN)/pytest -m requeue tests/cluster
 
 demo: $(STAMP) $(AZURITE)
 	$(BIN)/python -m tiered_demo

@@ -12,6 +12,7 @@ from tests.cluster.slurm import LocalSlurm, missing_binaries
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slurm: runs a real munged/slurmctld/slurmd on this machine (-m slurm)")
+    config.addinivalue_line("markers", "requeue: timing-bound Slurm requeue test, outside `make test` (make test-requeue)")
 
 
 @pytest.fixture(scope="module")

@@ -205,6 +205,8 @@ def test_job_checkpoints_is_cancelled_resumes_and_restores_from_the_archive(harn
     assert any(t["applied"] for t in h.ticks), h.ticks
 
 
+@pytest.mark.requeue
+@pytest.mark.timeout(900)
 def test_requeued_job_restarts_and_resumes_where_it_stopped(harness: Harness) -> None:
     """Two ways a running job is requeued, each restarting it from the top under the same id:
     the time-limit warning (`--signal=B:USR1@120`: the batch script's trap stops the workers with
