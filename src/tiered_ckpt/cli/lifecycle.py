@@ -212,14 +212,23 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
     return EXIT_OK
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("retention", help="plan or apply the retention policy (frees the accelerator layer)")
+def _plan_apply(p: argparse.ArgumentParser, parent: argparse.ArgumentParser, plan: str,
+                apply: str) -> list[argparse.ArgumentParser]:
+    """The `plan` and `apply` subcommands of a retention command, each with the keep-policy flags."""
     rs = p.add_subparsers(dest="retention_cmd", metavar="plan|apply")
     rs.required = True
-    for name, text in (("plan", "show every checkpoint's decision and why; changes nothing"),
-                       ("apply", "delete/release what the plan allows, under a lock; safe to re-run")):
+    out = []
+    for name, text in (("plan", plan), ("apply", apply)):
         q = rs.add_parser(name, parents=[parent], help=text, description=text)
         _policy_flags(q)
+        out.append(q)
+    return out
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("retention", help="plan or apply the retention policy (frees the accelerator layer)")
+    for q in _plan_apply(p, parent, "show every checkpoint's decision and why; changes nothing",
+                         "delete/release what the plan allows, under a lock; safe to re-run"):
         q.add_argument("--action", choices=("delete", "release"), help="delete (default) or release (AMLFS: lfs hsm_release)")
         q.set_defaults(handler=cmd_retention)
 
@@ -227,12 +236,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     asub = p.add_subparsers(dest="archive_cmd", metavar="retention")
     asub.required = True
     p = asub.add_parser("retention", help="plan or apply the keep policy to the checkpoints committed in the archive")
-    rs = p.add_subparsers(dest="retention_cmd", metavar="plan|apply")
-    rs.required = True
-    for name, text in (("plan", "show every archived checkpoint's decision and why; changes nothing"),
-                       ("apply", "delete from Blob what the plan allows (marker first, journaled); safe to re-run")):
-        q = rs.add_parser(name, parents=[parent], help=text, description=text)
-        _policy_flags(q)
+    for q in _plan_apply(p, parent, "show every archived checkpoint's decision and why; changes nothing",
+                         "delete from Blob what the plan allows (marker first, journaled); safe to re-run"):
         q.add_argument("--lustre-gone", action="store_true",
                        help="the file system was torn down: do not look for the checkpoints on Lustre (otherwise the "
                             "root must be mounted here, and checkpoints still on it are kept)")
