@@ -50,10 +50,12 @@ class Accelerator(pulumi.ComponentResource):
             squash = storagecache.AmlFilesystemRootSquashSettingsArgs(
                 mode=squash_mode, squash_uid=SQUASH_ID, squash_gid=SQUASH_ID, no_squash_nid_lists=trusted_nids(s))
 
-        # The wait below calls ARM itself: prove its credential before the file system exists.
+        # The wait below calls ARM itself: prove its credential, and that the region offers the SKU and zone
+        # (components/regions.py: ARM's SKU list is the only authoritative region list), before the file system exists.
         auth = args.arm_auth or program_auth()
         checked = ArmCredentialCheck(f"{name}-arm-credential", auth=auth, subscription_id=args.subscription_id,
-                                     resource_group=args.resource_group_name, opts=pulumi.ResourceOptions(parent=self))
+                                     resource_group=args.resource_group_name, location=s.location, sku=s.sku.name,
+                                     zone=s.zone, opts=pulumi.ResourceOptions(parent=self))
 
         fs = storagecache.AmlFilesystem(
             f"{name}-fs",

@@ -27,7 +27,7 @@ import pulumi.dynamic
 
 from tiered_ckpt.tiers.arm_model import ARCHIVE_BUSY, IMPORT_BUSY
 
-from . import arm_auth
+from . import arm_auth, regions
 from .arm_auth import ArmAuth
 
 
@@ -118,8 +118,16 @@ def program_auth() -> ArmAuth:
 
 
 class ArmCredentialCheckProvider(pulumi.dynamic.ResourceProvider):
-    """Lists the resource group's file systems with the program's credential: a failure stops `pulumi up`
-    before the file system (AmlFilesystem depends on this) with a message naming the mode and the fix."""
+    """Lists the resource group's file systems with the program's credential, and the subscription's
+    StorageCache SKUs to prove the region offers the AMLFS SKU and zone (components/regions.py): a failure
+    stops `pulumi up` before the file system (AmlFilesystem depends on this) with a message naming the fix."""
+
+    # components/regions.py's pure check, copied onto the class so that it travels with the pickled provider.
+    region_problem = staticmethod(regions.region_problem)
+    offering_locations = staticmethod(regions.offering_locations)
+    _get = staticmethod(regions._get)
+    _norm = staticmethod(regions._norm)
+    _restricted = staticmethod(regions._restricted)
 
     @staticmethod
     def probe_access(client: Any, resource_group: str, describe: str) -> int:
@@ -134,12 +142,31 @@ class ArmCredentialCheckProvider(pulumi.dynamic.ResourceProvider):
                 "variables, or `az login`) and make sure the identity may read Microsoft.StorageCache/amlFilesystems "
                 f"in resource group {resource_group}; then run `pulumi up` again") from None
 
+    @classmethod
+    def check_region(cls, client: Any, location: str, sku: str, zone: str | None) -> None:
+        """Raise (before the file system exists) unless the subscription's SKU list offers `sku` in `location`."""
+        try:
+            entries = [e.as_dict() if hasattr(e, "as_dict") else dict(e) for e in client.skus.list()]
+        except Exception as e:  # noqa: BLE001 - reported with the setting it guards
+            first = str(getattr(e, "message", "") or e).splitlines()[0][:300]
+            raise RuntimeError(
+                f"tiered:ArmCredentialCheck: could not list the subscription's StorageCache SKUs to check that {location!r} "
+                f"offers {sku!r}: {type(e).__name__}: {first}. Nothing was created after this check. The program's identity "
+                "needs Microsoft.StorageCache/skus/read on the subscription (Reader or Contributor has it)") from None
+        problem = cls.region_problem(entries, sku, location, zone)
+        if problem:
+            raise RuntimeError(f"tiered:ArmCredentialCheck: {problem}. Nothing was created after this check")
+
     def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
-        n = self.probe_access(ArmClientFactory.client(props), props["resource_group"], props["describe"])
+        client = ArmClientFactory.client(props)
+        n = self.probe_access(client, props["resource_group"], props["describe"])
+        if props.get("location") and props.get("sku"):
+            self.check_region(client, props["location"], props["sku"], props.get("zone"))
         return pulumi.dynamic.CreateResult(id_=f"{props['resource_group']}/arm-credential-ok", outs={**props, "filesystems": n})
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> pulumi.dynamic.DiffResult:
-        changed = [k for k in ("subscription_id", "resource_group", "describe") if olds.get(k) != news.get(k)]
+        changed = [k for k in ("subscription_id", "resource_group", "describe", "location", "sku", "zone")
+                   if olds.get(k) != news.get(k)]
         return pulumi.dynamic.DiffResult(changes=bool(changed), replaces=changed, delete_before_replace=True)
 
     def delete(self, _id: str, _props: dict[str, Any]) -> None:
@@ -147,14 +174,16 @@ class ArmCredentialCheckProvider(pulumi.dynamic.ResourceProvider):
 
 
 class ArmCredentialCheck(pulumi.dynamic.Resource, module="tiered", name="ArmCredentialCheck"):
-    """Completes once the program's credential has read the resource group's file systems."""
+    """Completes once the program's credential has read the resource group's file systems and the
+    subscription's SKU list offers the AMLFS SKU in the stack's location and zone."""
 
     def __init__(self, name: str, *, auth: ArmAuth, subscription_id: pulumi.Input[str], resource_group: pulumi.Input[str],
+                 location: str | None = None, sku: str | None = None, zone: str | None = None,
                  opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__(
             ArmCredentialCheckProvider(), name,
             {"auth": auth_input(auth), "describe": auth.describe(), "subscription_id": subscription_id,
-             "resource_group": resource_group, "filesystems": None},
+             "resource_group": resource_group, "location": location, "sku": sku, "zone": zone, "filesystems": None},
             opts)
 
 

@@ -207,6 +207,9 @@ class Scenario:
     # Faults: statuses to answer for the next requests of a kind (then normal service).
     faults: dict[str, list[int]] = field(default_factory=dict)
     deny: set[str] = field(default_factory=set)   # kinds answered 403 AuthorizationFailed
+    # The subscription's StorageCache SKU list (Skus_List.json shape: resourceType, name, locations,
+    # locationInfo with zones, restrictions). None = the four AMLFS SKUs in the double's location, zones 1-3.
+    skus: list[dict[str, Any]] | None = None
 
     def fail_next(self, kind: str, *statuses: int) -> None:
         self.faults.setdefault(kind, []).extend(statuses)
@@ -222,6 +225,7 @@ _ROUTES: list[tuple[str, re.Pattern[str]]] = [
     ("archive", re.compile(_ROOT + r"/archive$", re.I)),
     ("cancelArchive", re.compile(_ROOT + r"/cancelarchive$", re.I)),
     ("fs", re.compile(_ROOT + r"$", re.I)),
+    ("skus", re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/microsoft\.storagecache/skus$", re.I)),
     ("fss", re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourcegroups/(?P<rg>[^/]+)/providers/microsoft\.storagecache/amlfilesystems$", re.I)),
 ]
 
@@ -432,6 +436,8 @@ class ArmDouble:
             return self._asyncop(g["op"])
         if base == "fs.get":
             return 200, {}, self._fs_body()
+        if base == "skus.get":
+            return 200, {}, {"value": self._skus()}
         if base == "fss.get":     # amlFilesystems_ListByResourceGroup.json
             here = g["rg"].lower() == self.resource_group.lower()
             return 200, {}, {"value": [self._fs_body()] if here else []}
@@ -699,6 +705,14 @@ class ArmDouble:
                     sc.archive_hook(a["path"])
                 a.update(state=sc.archive_result, end=_now(), percent=100 if sc.archive_result == "Completed" else a["percent"])
 
+    def _skus(self) -> list[dict[str, Any]]:
+        if self.scenario.skus is not None:
+            return self.scenario.skus
+        return [{"resourceType": "amlFilesystems", "name": f"AMLFS-Durable-Premium-{tier}", "locations": [self.location],
+                 "locationInfo": [{"location": self.location, "zones": ["1", "2", "3"]}],
+                 "capabilities": [{"name": "bandwidth (MB/s/TiB)", "value": str(tier)}], "restrictions": []}
+                for tier in (40, 125, 250, 500)]
+
     def _fs_body(self) -> dict[str, Any]:
         self._advance_archive()
         sa = f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}/providers/Microsoft.Storage/storageAccounts/storageaccountname/blobServices/default/containers"
@@ -765,6 +779,8 @@ def _action(kind: str) -> str:
     return {
         # The async-operation monitor lives at subscription scope, not under the file system.
         "asyncop.get": "Microsoft.StorageCache/locations/ascoperations/read",
+        # The SKU list is a subscription-scope read (Skus_List): the program's preflight needs it, nodes never.
+        "skus.get": "Microsoft.StorageCache/skus/read",
         "autoexports.get": f"{base}/autoExportJobs/read",
         "fs.get": f"{base}/read",
         "fss.get": f"{base}/read",
