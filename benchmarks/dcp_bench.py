@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import BENCH_ERROR
 from benchmarks.io_bench import _fio
 
 REPO = Path(__file__).resolve().parent.parent
@@ -324,10 +325,11 @@ def _async(dcp: Any, state: dict[str, Any], writer: Callable[[int, Path], Any], 
 
 # -- the parent: rounds, order, cache, cleanup, table --------------------------------------------
 def _drop_caches() -> bool:
+    """sync, then drop the page cache and the dentry/inode caches (proc(5); needs root)."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
+            f.write("3\n")
         return True
     except OSError:
         return False
@@ -629,13 +631,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if shutil.which("fio") is None:
         print("fio not found: run `make install` (installs Debian's fio)", file=sys.stderr)
-        return 1
+        return BENCH_ERROR
     try:
         import torch  # noqa: F401
     except ImportError:
         print("torch not installed: the DCP benchmark compares torch.distributed.checkpoint writers "
               "(`make install` installs the pinned CPU torch)", file=sys.stderr)
-        return 1
+        return BENCH_ERROR
     est = _state_bytes_estimate(args.params, args.small)
     print(f"DCP benchmark: state {est / (1 << 30):.2f} GiB ({est / 3 / (1 << 30):.2f} GiB parameters + AdamW), "
           f"{args.rounds} rounds, {args.many:,} x 4 KiB per-tensor test, on {Path(args.dir).resolve()}",
