@@ -15,7 +15,7 @@ Every figure is timed from the call to its return in a fresh process (gloo world
 `sync` and dropping the page cache (needs root; said so when it cannot), in N interleaved rounds
 whose order rotates; ratios are taken within a round, then medians and min-max ranges.
 
-    python -m benchmarks dcp [--params 1GiB] [--rounds 3] [--many 100000] [--json] [--quick]
+    python -m benchmarks dcp [--params 512MiB] [--rounds 2] [--many 100000] [--json] [--quick]
     env: BENCH_DCP_PARAMS, BENCH_DCP_ROUNDS, BENCH_DCP_MANY, BENCH_DCP_DIR (default .bench/dcp)
 """
 from __future__ import annotations
@@ -52,9 +52,11 @@ FSW_THREADS = (1, 4, 8)
 FIO_JOBS, FIO_BLOCK = 4, 16 << 20        # as the I/O bench runs fio
 # The issue's fixture is 4 GiB of parameters (12 GiB with AdamW, 24 GiB while async staging holds a
 # copy) and 100,000 tensors of 4 KiB (DCP alone takes ~1 min per save of those here): the defaults are
-# scaled to fit a 24 GiB, 2-core machine in ~6 minutes, and the table says so.
+# scaled to fit a 24 GiB, 2-core machine in ~4 minutes, and the table says so. The scale suite
+# (benchmarks/scale_bench.py) measures the toolkit's own goals on the full-size fixture; this one is
+# the comparison with DCP's writer and reader.
 ISSUE_PARAMS, ISSUE_MANY = 4 << 30, 100_000
-DEFAULT_PARAMS = "1GiB"
+DEFAULT_PARAMS = "512MiB"
 DEFAULT_SMALL = 1000
 DEFAULT_MANY = 10_000
 MANY_BYTES = 4096
@@ -611,7 +613,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="tensors of 4-64 KiB in the model")
     ap.add_argument("--many", type=int, default=int(env("BENCH_DCP_MANY", str(DEFAULT_MANY))),
                     help="count of 4 KiB tensors in the per-tensor test")
-    ap.add_argument("--rounds", type=int, default=int(env("BENCH_DCP_ROUNDS", "3")))
+    ap.add_argument("--rounds", type=int, default=int(env("BENCH_DCP_ROUNDS", "2")))
     ap.add_argument("--dir", default=env("BENCH_DCP_DIR", str(REPO / ".bench" / "dcp")))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one measurement may take")
     ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
