@@ -724,6 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, subprocess.SubprocessError, OSError) as e:
         print(f"scale benchmark failed: {e}", file=sys.stderr)
         return BENCH_ERROR
+    res["table"] = [dict(zip(("goal", "measured", "threshold", "met"), row, strict=True)) for row in rows(res)]
     out = REPO / ".bench" / "scale_results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
