@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import Annotated, Any, get_type_hints
 
 import yaml
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError
@@ -177,6 +177,15 @@ BlockSize = Annotated[Size, _rule(lambda v: v >= 4096 and v % 4096 == 0,
                                   "must be a multiple of 4 KiB (O_DIRECT alignment), e.g. 16MiB")]
 Url = Annotated[Text, _rule(lambda v: re.match(r"^https?://[^/?#\s]+", v) is not None,
                             "is not a URL; use https://<account>.blob.core.windows.net")]
+
+
+def _one_of(*choices: str) -> Any:
+    """Text that must be one of `choices` (the attribute stays a str for the code that reads it)."""
+    return _rule(lambda v: v in choices, f"is not allowed; use {' or '.join(choices)}")
+
+
+Backend = Annotated[Text, _one_of("amlfs", "local")]
+Action = Annotated[Text, _one_of("delete", "release")]
 Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
 _SECTION = ConfigDict(extra="forbid")    # unknown keys are refused (with a "did you mean")
 
@@ -234,7 +243,7 @@ class RetentionConfig:
     keep_every_steps: NonNegativeInt = 0   # 0 = rule off
     keep_newer_than: OffOrDuration = None  # seconds; None (or 0) = rule off
     min_keep: PositiveInt = 2
-    action: Literal["delete", "release"] = "delete"   # release needs AMLFS
+    action: Action = "delete"          # delete | release (release needs AMLFS)
     restore_grace: Duration = 3600.0   # seconds a restored checkpoint is kept whatever the rules; 0 = off
 
 
@@ -258,7 +267,7 @@ class NodeConfig:
     __pydantic_config__ = _SECTION
     root: Root = "/lustrefs/checkpoints"
     model: Model = "default"
-    backend: Literal["amlfs", "local"] = "amlfs"
+    backend: Backend = "amlfs"        # amlfs | local
     nodes: PositiveInt = 1
     # How this model's checkpoint directories are named (tiered_ckpt.naming.SCHEMES): the
     # default global_epoch{E}_step{S}, or torchtitan / huggingface / megatron layouts.
@@ -452,10 +461,10 @@ def load(explicit: str | None = None) -> NodeConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
     data = {} if data is None else data
-    cfg, problems = _check(data)
-    if cfg is None:
+    checked, problems = _check(data)
+    if checked is None:
         raise ConfigError(_joined(problems, str(path)))
-    return replace(cfg, source=str(path), given=_given(data))
+    return replace(checked, source=str(path), given=_given(data))
 
 
 def _field_hint(key: str) -> Any:
@@ -474,7 +483,7 @@ def _parsed_by(hint: Any, validator: Any) -> bool:
 
 def show_setting(cfg: NodeConfig, key: str) -> str:
     """A setting's effective value and where it comes from, for help texts:
-    '8 from /etc/tiered-ckpt/config.yaml', or '8, built-in' when no file sets it."""
+    '8, io.threads from /etc/tiered-ckpt/config.yaml', or '8, built-in io.threads' when no file sets it."""
     value: Any = cfg
     for part in key.split("."):
         value = getattr(value, part)
@@ -490,8 +499,8 @@ def show_setting(cfg: NodeConfig, key: str) -> str:
     else:
         text = str(value)
     if cfg.source and key in cfg.given:
-        return f"{text} from {cfg.source}"
-    return f"{text}, built-in" + (f"; not set in {cfg.source}" if cfg.source else "")
+        return f"{text}, {key} from {cfg.source}"
+    return f"{text}, built-in {key}"
 
 
 def dump(cfg: NodeConfig) -> str:

@@ -60,12 +60,15 @@ def cmd_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
 
 def _policy_flags(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N committed (retention.keep_last)")
-    q.add_argument("--keep-every-steps", type=int, metavar="K", help="keep every checkpoint whose step is a multiple of K")
-    q.add_argument("--keep-newer-than", metavar="DURATION", help="keep checkpoints younger than this, e.g. 6h, 2d")
-    q.add_argument("--min-keep", type=int, metavar="M", help="never touch the newest M committed (default 2)")
+    q.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N committed (default: {config:retention.keep_last})")
+    q.add_argument("--keep-every-steps", type=int, metavar="K", help="keep every checkpoint whose step is a multiple of K; 0 = off "
+                   "(default: {config:retention.keep_every_steps})")
+    q.add_argument("--keep-newer-than", metavar="DURATION", help="keep checkpoints younger than this, e.g. 6h, 2d "
+                   "(default: {config:retention.keep_newer_than})")
+    q.add_argument("--min-keep", type=int, metavar="M", help="never touch the newest M committed (default: {config:retention.min_keep})")
     q.add_argument("--restore-grace", metavar="DURATION",
-                   help="keep a checkpoint restored less than this ago (retention.restore_grace, default 1h; 0 = off)")
+                   help="keep a checkpoint restored less than this ago; 0 = off "
+                        "(default: {config:retention.restore_grace})")
 
 
 def cmd_archive_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
@@ -229,7 +232,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     p = sub.add_parser("retention", help="plan or apply the retention policy (frees the accelerator layer)")
     for q in _plan_apply(p, parent, "show every checkpoint's decision and why; changes nothing",
                          "delete/release what the plan allows, under a lock; safe to re-run"):
-        q.add_argument("--action", choices=("delete", "release"), help="delete (default) or release (AMLFS: lfs hsm_release)")
+        q.add_argument("--action", choices=("delete", "release"), help="delete, or release (AMLFS: lfs hsm_release) (default: {config:retention.action})")
         q.set_defaults(handler=cmd_retention)
 
     p = sub.add_parser("archive", help="the archive (Blob) tier: its own retention")
@@ -257,10 +260,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
                        description="The model's checkpoint metrics in Prometheus format: printed (default), written "
                                    "atomically as a node-exporter textfile (--textfile, metrics.textfile), or served "
                                    "over HTTP (--serve).")
-    p.add_argument("--textfile", metavar="PATH", help="write this .prom file (default: metrics.textfile)")
+    p.add_argument("--textfile", metavar="PATH", help="write this .prom file (default: {config:metrics.textfile})")
     p.add_argument("--serve", action="store_true", help="serve /metrics until Ctrl-C (collected afresh on each scrape)")
-    p.add_argument("--port", type=int, metavar="N", help="port for --serve (default: metrics.port, 9817)")
-    p.add_argument("--addr", metavar="ADDR", help="address for --serve (default: metrics.addr, 127.0.0.1)")
+    p.add_argument("--port", type=int, metavar="N", help="port for --serve (default: {config:metrics.port})")
+    p.add_argument("--addr", metavar="ADDR", help="address for --serve (default: {config:metrics.addr})")
     p.set_defaults(handler=cmd_metrics)
 
     p = sub.add_parser("status", parents=[parent], help="tiers of each checkpoint, export backlog, export job, capacity")
