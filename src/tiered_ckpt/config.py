@@ -384,7 +384,9 @@ def _check(data: Any) -> tuple[NodeConfig | None, list[str]]:
         return None, [f"the config file: expected a mapping of settings (key: value lines), got {data!r}"]
     problems = [_message({"loc": (k,), "input": data[k], "type": "extra_forbidden"})
                 for k in _ORIGIN_FIELDS if k in data]
-    data = {k: v for k, v in data.items() if k not in _ORIGIN_FIELDS}
+    # A section left empty (`io:` with every setting commented out) is YAML null: its defaults.
+    sections = {f.name for f in fields(NodeConfig) if is_dataclass(f.default_factory)}
+    data = {k: v for k, v in data.items() if k not in _ORIGIN_FIELDS and not (k in sections and v is None)}
     cfg = None
     try:
         cfg = _adapter().validate_python(data)

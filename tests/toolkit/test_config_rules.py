@@ -155,3 +155,10 @@ def test_dump_loads_back_identically(tmp_path: Path) -> None:
     conf.write_text(config.dump(cfg))
     back = config.load(str(conf))
     assert replace(back, source=None) == cfg and back.source == str(conf) and "io.threads" in back.given
+
+
+def test_an_empty_section_means_its_defaults(tmp_path: Path) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("io:\n  # threads: 4\nretention:\narchive:\n  retries: 1\n")
+    cfg = config.load(str(conf))
+    assert cfg.io == config.IoConfig() and cfg.retention == config.RetentionConfig() and cfg.archive.retries == 1

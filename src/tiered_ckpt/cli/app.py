@@ -54,50 +54,44 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _subcommands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def _children(p: argparse.ArgumentParser) -> list[tuple[argparse.ArgumentParser, str]]:
+    """A parser's subcommands (each once, whatever its aliases) with their one-line help."""
     for a in p._actions:
         if isinstance(a, argparse._SubParsersAction):
-            return dict(a.choices)
-    return {}
+            helps = {c.dest: c.help or "" for c in a._choices_actions}
+            seen: dict[int, tuple[argparse.ArgumentParser, str]] = {}
+            for name, child in a.choices.items():
+                seen.setdefault(id(child), (child, helps.get(name, "")))
+            return list(seen.values())
+    return []
 
 
 def _all_parsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
     yield p
-    for child in dict.fromkeys(_subcommands(p).values()):      # aliases: each parser once
+    for child, _ in _children(p):
         yield from _all_parsers(child)
 
 
-def _leaves(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
-    children = _subcommands(p)
+def _leaves(p: argparse.ArgumentParser, about: str = "") -> Iterator[tuple[argparse.ArgumentParser, str]]:
+    """The runnable subcommands under `p` (each with its help line)."""
+    children = _children(p)
     if not children:
-        yield p
-    for child in dict.fromkeys(children.values()):
-        yield from _leaves(child)
-
-
-def _help_of(p: argparse.ArgumentParser) -> dict[str, str]:
-    for a in p._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            return {c.dest: c.help or "" for c in a._choices_actions}
-    return {}
+        yield p, about
+    for child, text in children:
+        yield from _leaves(child, text)
 
 
 def _group_epilog(group: argparse.ArgumentParser, globals_: set[str]) -> str:
     """For `tiered-ckpt retention --help`: each subcommand under the group, its usage and its own
     flags (the global ones are listed once, above)."""
     out = ["subcommands and their flags (global flags work before or after the subcommand):"]
-    for leaf in _leaves(group):
-        parent_prog, _, name = leaf.prog.rpartition(" ")
+    for leaf, about in _leaves(group):
         fmt = leaf._get_formatter()
         fmt.add_usage(leaf.usage, leaf._actions, leaf._mutually_exclusive_groups, prefix="usage: ")
-        own = [a for a in leaf._actions
-               if not set(a.option_strings) & globals_ and not isinstance(a, argparse._HelpAction)]
         fmt.start_section(None)
-        fmt.add_arguments(own)
+        fmt.add_arguments([a for a in leaf._actions
+                           if not set(a.option_strings) & globals_ and not isinstance(a, argparse._HelpAction)])
         fmt.end_section()
-        about = ""
-        for p in _all_parsers(group):
-            about = _help_of(p).get(name, about) if p.prog == parent_prog else about
         out.append(f"\n{leaf.prog.removeprefix(group.prog).strip()}: {about}\n{fmt.format_help().rstrip()}")
     return "\n".join(out)
 
@@ -118,7 +112,7 @@ def _finish(parser: argparse.ArgumentParser, cfg: config_mod.NodeConfig) -> None
             if a.help and "{config:" in a.help:
                 a.help = _SETTING.sub(lambda m: config_mod.show_setting(cfg, m.group(1)).replace("%", "%%"), a.help)
     for p in _all_parsers(parser):
-        if p is not root and _subcommands(p):
+        if p is not root and _children(p):
             p.formatter_class = argparse.RawDescriptionHelpFormatter
             p.epilog = _group_epilog(p, globals_)
 
