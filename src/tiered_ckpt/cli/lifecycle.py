@@ -9,7 +9,7 @@ import argparse
 import threading
 
 from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progress_bars, stderr, stdout
-from tiered_ckpt.config import NodeConfig, parse_duration
+from tiered_ckpt.config import NodeConfig, format_duration, parse_duration
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.lifecycle import archive_retention as ar
@@ -139,12 +139,11 @@ def cmd_metrics(args: argparse.Namespace, cfg: NodeConfig) -> int:
 def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
     if args.name and args.latest:
         raise ConfigError("give either a checkpoint NAME or --latest, not both")
-    if args.wait is not None and args.wait < 0:
-        raise ConfigError(f"--wait: {args.wait} must be >= 0 seconds")
+    wait = DEFAULT_LOCK_WAIT if args.wait is None else parse_duration(args.wait, "--wait")
     backend = make_backend(cfg)
     with progress_bars(enabled=not args.json) as bars:
         res = restore(cfg, backend, args.name, verify=args.verify, progress=bars,
-                      lock_wait=DEFAULT_LOCK_WAIT if args.wait is None else args.wait)
+                      lock_wait=wait)
     if args.json:
         print_json(res.to_json())
     else:
@@ -185,8 +184,9 @@ def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
 
 def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
-    if args.interval <= 0:
-        raise ConfigError(f"--interval: {args.interval} must be > 0 seconds")
+    interval = parse_duration(args.interval, "--interval")
+    if interval <= 0:
+        raise ConfigError(f"--interval: {args.interval} must be more than 0 seconds, e.g. 5s")
     ex = Exporter(cfg, status_path=args.export_status)
     # A mistyped root would otherwise export nothing, report success and write a status file
     # beside a directory that does not exist.
@@ -210,8 +210,8 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
         return EXIT_OK if it.ok else EXIT_FAILED
     if not args.json:
         stderr.print(f"local exporter (stand-in for AMLFS auto-export): {cfg.root} -> {ex.store.where}, "
-                     f"every {args.interval:g}s; Ctrl-C to stop")
-    ex.watch(args.interval, threading.Event(), on_iteration=show)
+                     f"every {interval:g}s; Ctrl-C to stop")
+    ex.watch(interval, threading.Event(), on_iteration=show)
     return EXIT_OK
 
 
@@ -252,8 +252,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     p.add_argument("--latest", action="store_true", help="the newest committed checkpoint on either tier (default)")
     p.add_argument("--verify", action="store_true",
                    help="also hash a resident checkpoint's files (bytes from the archive are always hash-checked)")
-    p.add_argument("--wait", type=float, metavar="S",
-                   help=f"seconds to wait for another process working on the checkpoint (default {DEFAULT_LOCK_WAIT:g})")
+    p.add_argument("--wait", metavar="DURATION",
+                   help=f"how long to wait for another process working on the checkpoint, e.g. 90s, 5m "
+                        f"(default: {format_duration(DEFAULT_LOCK_WAIT)})")
     p.set_defaults(handler=cmd_restore)
 
     p = sub.add_parser("metrics", parents=[parent], help="Prometheus metrics of the model: print, write a textfile, or serve",
@@ -278,6 +279,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     g = p.add_mutually_exclusive_group()
     g.add_argument("--once", action="store_true", help="run one iteration and exit (default)")
     g.add_argument("--watch", action="store_true", help="iterate until Ctrl-C / SIGTERM")
-    p.add_argument("--interval", type=float, default=5.0, metavar="S", help="seconds between iteration starts (default 5)")
+    p.add_argument("--interval", default="5s", metavar="DURATION", help="time between iteration starts (default: 5s)")
     p.add_argument("--export-status", metavar="PATH", help="status file (default: next to the root, outside the exported tree)")
     p.set_defaults(handler=cmd_export)
