@@ -164,8 +164,6 @@ Size = Annotated[int, _SIZE_IN]
 Duration = Annotated[float, _DURATION_IN]
 OffOrDuration = Annotated["float | None", _OFF_DURATION_IN]
 Number = Annotated[float, Strict()]       # int or float, never a quoted string
-
-
 PositiveInt = Annotated[int, Strict(), Field(ge=1)]      # a YAML whole number >= 1, not a quoted one
 NonNegativeInt = Annotated[int, Strict(), Field(ge=0)]
 Model = Annotated[Text, _rule(lambda v: re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) is not None,
@@ -186,7 +184,7 @@ def _one_of(*choices: str) -> Any:
 
 Backend = Annotated[Text, _one_of("amlfs", "local")]
 Action = Annotated[Text, _one_of("delete", "release")]
-Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
+Port = Annotated[int, Strict(), _rule(lambda v: 1 <= v <= 65535, "must be a TCP port 1-65535 (e.g. 9817)")]
 _SECTION = ConfigDict(extra="forbid")    # unknown keys are refused (with a "did you mean")
 
 
@@ -340,7 +338,9 @@ def _message(err: Any) -> str:
             owner = get_type_hints(owner)[part]
         known = sorted(f.name for f in fields(owner) if f.name not in _ORIGIN_FIELDS)
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else ""
+        # ... or a setting of another section written in the wrong place (threads: at the top).
+        elsewhere = [k for k in _all_keys() if k.rsplit(".", 1)[-1] == name and k != key]
+        hint = f"; did you mean {close[0]}?" if close else f"; did you mean {elsewhere[0]}?" if elsewhere else ""
         return f"{key}: unknown setting{hint} (known settings {'in ' + parent if parent else 'here'}: {', '.join(known)})"
     if kind in ("dataclass_type", "dataclass_exact_type"):
         if not key:
@@ -366,6 +366,18 @@ def _message(err: Any) -> str:
     if kind == "literal_error":
         return f"{key}: {shown} is not allowed; use {err['ctx']['expected'].replace(chr(39), '')}"
     return f"{key}: {shown}: {err['msg']}"
+
+
+@cache
+def _all_keys(cls: Any = None) -> tuple[str, ...]:
+    """Every setting's dotted key: 'root', 'io.threads', ..."""
+    out: list[str] = []
+    for f in fields(cls or NodeConfig):
+        if f.name in _ORIGIN_FIELDS:
+            continue
+        sub = get_type_hints(cls or NodeConfig).get(f.name)
+        out += [f"{f.name}.{k}" for k in _all_keys(sub)] if isinstance(sub, type) and is_dataclass(sub) else [f.name]
+    return tuple(out)
 
 
 def _cross_problems(data: dict[str, Any]) -> list[str]:

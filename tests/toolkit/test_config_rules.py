@@ -128,11 +128,12 @@ def test_a_bad_duration_flag_or_setting_names_itself(tmp_path: Path, bad: object
 
 def test_unknown_keys_are_refused_with_a_suggestion(tmp_path: Path) -> None:
     conf = tmp_path / "c.yaml"
-    conf.write_text("rot: /x\nretention:\n  keep_lats: 3\n  zzz: 1\nsource: /etc/other.yaml\n")
+    conf.write_text("rot: /x\nretention:\n  keep_lats: 3\n  zzz: 1\nsource: /etc/other.yaml\nthreads: 4\n")
     with pytest.raises(ConfigError) as e:
         config.load(str(conf))
     msg = str(e.value)
-    assert "4 problems" in msg
+    assert "5 problems" in msg
+    assert "threads: unknown setting; did you mean io.threads?" in msg            # a setting in the wrong section
     assert "rot: unknown setting; did you mean root?" in msg
     assert "retention.keep_lats: unknown setting; did you mean keep_last?" in msg
     assert "retention.zzz: unknown setting (known settings in retention: action, keep_every_steps" in msg
