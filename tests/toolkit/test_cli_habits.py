@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 from tiered_ckpt import api, config
@@ -23,6 +24,16 @@ def _cli(*argv: str, columns: int = 40, **kw: object) -> subprocess.CompletedPro
     env = {**os.environ, "COLUMNS": str(columns), "TIERED_CKPT_CONFIG": os.devnull}
     return subprocess.run([sys.executable, "-m", "tiered_ckpt", *argv], capture_output=True, text=True,
                           timeout=120, env=env, **kw)  # type: ignore[call-overload]
+
+
+def _help(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *argv: str) -> str:
+    """`tiered-ckpt ARGV` (which asks for help) in this process, its output with whitespace folded."""
+    monkeypatch.setenv("COLUMNS", "1000")           # argparse wraps help at $COLUMNS
+    monkeypatch.setenv("TIERED_CKPT_CONFIG", os.devnull)
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
 
 
 def _leaves(p: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
@@ -69,49 +80,46 @@ def test_global_flags_before_the_subcommand_give_the_same_run(tmp_path: Path) ->
     assert [x["name"] for x in json.loads(a.stdout)["checkpoints"]] == ["global_epoch0_step1"]
 
 
-def test_group_help_lists_each_subcommand_with_its_flags() -> None:
-    p = _cli("retention", "--help", columns=200)
-    assert p.returncode == 0
-    out = p.stdout
+def test_group_help_lists_each_subcommand_with_its_flags(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = _help(capsys, monkeypatch, "retention", "--help")
     for text in ("retention plan [-h]", "retention apply [-h]", "plan: show every checkpoint's decision",
                  "apply: delete/release what the plan allows", "--keep-last N", "--keep-newer-than DURATION",
                  "--action {delete,release}"):
         assert text in out, text
     assert out.count("--restore-grace DURATION") >= 4          # usage and flag list of both
-    nested = _cli("archive", "--help", columns=200).stdout
+    nested = _help(capsys, monkeypatch, "archive", "--help")
     for text in ("archive retention plan [-h]", "retention plan: show every archived checkpoint's decision",
                  "retention apply:", "--lustre-gone"):
         assert text in nested, text
 
 
-def test_help_shows_the_effective_defaults_from_the_config(tmp_path: Path) -> None:
+def test_help_shows_the_effective_defaults_from_the_config(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     conf = tmp_path / "node.yaml"
     conf.write_text(yaml.safe_dump({"io": {"threads": 3, "block_size": "8MiB"}, "retention": {"keep_newer_than": "6h"},
                                     "metrics": {"port": 9999}}))
-
-    def flat(*argv: str) -> str:
-        p = _cli(*argv, columns=1000)
-        assert p.returncode == 0, p.stderr
-        return " ".join(p.stdout.split())
-
-    bench = flat("bench", "--help", "--config", str(conf))
+    bench = _help(capsys, monkeypatch, "bench", "--help", "--config", str(conf))
     assert f"--threads THREADS writer/reader threads (default: 3, io.threads from {conf})" in bench
     assert f"(default: 8MiB, io.block_size from {conf})" in bench
     assert "--files FILES shard files (default: 8, built-in io.files_per_rank)" in bench
     assert "(default: true, built-in io.direct)" in bench
-    assert f"(default: 6h, retention.keep_newer_than from {conf})" in flat("--config", str(conf), "retention", "plan", "-h")
-    assert f"(default: 9999, metrics.port from {conf})" in flat("metrics", "--help", "--config", str(conf))
+    assert f"(default: 6h, retention.keep_newer_than from {conf})" in _help(capsys, monkeypatch, "--config", str(conf),
+                                                                            "retention", "plan", "-h")
+    assert f"(default: 9999, metrics.port from {conf})" in _help(capsys, monkeypatch, "metrics", "--help", "--config", str(conf))
     # Without a file: the built-in values, said to be built in.
-    assert "--threads THREADS writer/reader threads (default: 8, built-in io.threads)" in flat("bench", "--help")
+    assert "--threads THREADS writer/reader threads (default: 8, built-in io.threads)" in _help(capsys, monkeypatch,
+                                                                                                "bench", "--help")
 
 
-def test_help_still_works_when_the_config_is_broken_and_the_run_reports_it(tmp_path: Path) -> None:
+def test_help_still_works_when_the_config_is_broken_and_the_run_reports_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     conf = tmp_path / "bad.yaml"
     conf.write_text("io:\n  threads: many\n")
-    h = _cli("bench", "--help", "--config", str(conf), columns=1000)
-    assert h.returncode == 0 and "(default: 8, built-in io.threads)" in " ".join(h.stdout.split())
-    r = _cli("bench", "--size", "1MiB", "--config", str(conf))
-    assert r.returncode == 2 and "io.threads: 'many' is not a whole number" in r.stderr and "Traceback" not in r.stderr
+    assert "(default: 8, built-in io.threads)" in _help(capsys, monkeypatch, "bench", "--help", "--config", str(conf))
+    assert cli.main(["bench", "--size", "1MiB", "--config", str(conf)]) == 2
+    err = capsys.readouterr().err
+    assert "io.threads: 'many' is not a whole number" in err and "Traceback" not in err
 
 
 def test_piped_output_is_one_line_per_fact(tmp_path: Path) -> None:
