@@ -73,11 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _duration(text: str, flag: str) -> float:
-    """'30m', '90s', '2h' or plain seconds."""
-    try:
-        return max(float(text), 0.0)
-    except ValueError:
-        return parse_duration(text, flag)
+    """'30m', '90s', '2h' or plain seconds (the toolkit's one duration parser)."""
+    return parse_duration(text, flag)
 
 
 def options(args: argparse.Namespace) -> Options:

@@ -69,11 +69,18 @@ def test_connection_string_message_never_quotes_it(tmp_path: Path) -> None:
     assert "SECRETVALUE" not in p.stdout + p.stderr
 
 
-def test_boolean_words_are_parsed_never_silently_true(tmp_path: Path) -> None:
-    for word, want in (('"no"', False), ('"off"', False), ("'false'", False), ("no", False), ('"yes"', True), ("true", True)):
-        conf = tmp_path / "c.yaml"
+def test_booleans_are_strict_a_quoted_no_is_refused_never_true(tmp_path: Path) -> None:
+    """Only YAML booleans are booleans (PyYAML reads YAML 1.1, so unquoted yes/no/on/off are too);
+    a quoted word or a number is refused with the fix, never read as true."""
+    conf = tmp_path / "c.yaml"
+    for word, want in (("no", False), ("off", False), ("false", False), ("yes", True), ("true", True)):
         conf.write_text(f"io:\n  direct: {word}\n")
         assert config.load(str(conf)).io.direct is want, word
+    for word in ('"no"', "'false'", '"yes"', "1", "0", '"true"'):
+        conf.write_text(f"io:\n  direct: {word}\n")
+        with pytest.raises(config.ConfigError) as e:
+            config.load(str(conf))
+        assert "io.direct" in str(e.value) and "direct: false" in str(e.value), word
 
 
 def test_non_utf8_config_file(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import argparse
 import threading
 
 from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progress_bars, stderr, stdout
-from tiered_ckpt.config import NodeConfig, parse_duration
+from tiered_ckpt.config import NodeConfig, format_duration, parse_duration
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.lifecycle import archive_retention as ar
@@ -60,12 +60,15 @@ def cmd_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
 
 def _policy_flags(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N committed (retention.keep_last)")
-    q.add_argument("--keep-every-steps", type=int, metavar="K", help="keep every checkpoint whose step is a multiple of K")
-    q.add_argument("--keep-newer-than", metavar="DURATION", help="keep checkpoints younger than this, e.g. 6h, 2d")
-    q.add_argument("--min-keep", type=int, metavar="M", help="never touch the newest M committed (default 2)")
+    q.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N committed (default: {config:retention.keep_last})")
+    q.add_argument("--keep-every-steps", type=int, metavar="K", help="keep every checkpoint whose step is a multiple of K; 0 = off "
+                   "(default: {config:retention.keep_every_steps})")
+    q.add_argument("--keep-newer-than", metavar="DURATION", help="keep checkpoints younger than this, e.g. 6h, 2d "
+                   "(default: {config:retention.keep_newer_than})")
+    q.add_argument("--min-keep", type=int, metavar="M", help="never touch the newest M committed (default: {config:retention.min_keep})")
     q.add_argument("--restore-grace", metavar="DURATION",
-                   help="keep a checkpoint restored less than this ago (retention.restore_grace, default 1h; 0 = off)")
+                   help="keep a checkpoint restored less than this ago; 0 = off "
+                        "(default: {config:retention.restore_grace})")
 
 
 def cmd_archive_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
@@ -136,12 +139,11 @@ def cmd_metrics(args: argparse.Namespace, cfg: NodeConfig) -> int:
 def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
     if args.name and args.latest:
         raise ConfigError("give either a checkpoint NAME or --latest, not both")
-    if args.wait is not None and args.wait < 0:
-        raise ConfigError(f"--wait: {args.wait} must be >= 0 seconds")
+    wait = DEFAULT_LOCK_WAIT if args.wait is None else parse_duration(args.wait, "--wait")
     backend = make_backend(cfg)
     with progress_bars(enabled=not args.json) as bars:
         res = restore(cfg, backend, args.name, verify=args.verify, progress=bars,
-                      lock_wait=DEFAULT_LOCK_WAIT if args.wait is None else args.wait)
+                      lock_wait=wait)
     if args.json:
         print_json(res.to_json())
     else:
@@ -182,8 +184,9 @@ def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
 
 def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
-    if args.interval <= 0:
-        raise ConfigError(f"--interval: {args.interval} must be > 0 seconds")
+    interval = parse_duration(args.interval, "--interval")
+    if interval <= 0:
+        raise ConfigError(f"--interval: {args.interval} must be more than 0 seconds, e.g. 5s")
     ex = Exporter(cfg, status_path=args.export_status)
     # A mistyped root would otherwise export nothing, report success and write a status file
     # beside a directory that does not exist.
@@ -207,8 +210,8 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
         return EXIT_OK if it.ok else EXIT_FAILED
     if not args.json:
         stderr.print(f"local exporter (stand-in for AMLFS auto-export): {cfg.root} -> {ex.store.where}, "
-                     f"every {args.interval:g}s; Ctrl-C to stop")
-    ex.watch(args.interval, threading.Event(), on_iteration=show)
+                     f"every {interval:g}s; Ctrl-C to stop")
+    ex.watch(interval, threading.Event(), on_iteration=show)
     return EXIT_OK
 
 
@@ -229,7 +232,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     p = sub.add_parser("retention", help="plan or apply the retention policy (frees the accelerator layer)")
     for q in _plan_apply(p, parent, "show every checkpoint's decision and why; changes nothing",
                          "delete/release what the plan allows, under a lock; safe to re-run"):
-        q.add_argument("--action", choices=("delete", "release"), help="delete (default) or release (AMLFS: lfs hsm_release)")
+        q.add_argument("--action", choices=("delete", "release"), help="delete, or release (AMLFS: lfs hsm_release) (default: {config:retention.action})")
         q.set_defaults(handler=cmd_retention)
 
     p = sub.add_parser("archive", help="the archive (Blob) tier: its own retention")
@@ -249,18 +252,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     p.add_argument("--latest", action="store_true", help="the newest committed checkpoint on either tier (default)")
     p.add_argument("--verify", action="store_true",
                    help="also hash a resident checkpoint's files (bytes from the archive are always hash-checked)")
-    p.add_argument("--wait", type=float, metavar="S",
-                   help=f"seconds to wait for another process working on the checkpoint (default {DEFAULT_LOCK_WAIT:g})")
+    p.add_argument("--wait", metavar="DURATION",
+                   help=f"how long to wait for another process working on the checkpoint, e.g. 90s, 5m "
+                        f"(default: {format_duration(DEFAULT_LOCK_WAIT)})")
     p.set_defaults(handler=cmd_restore)
 
     p = sub.add_parser("metrics", parents=[parent], help="Prometheus metrics of the model: print, write a textfile, or serve",
                        description="The model's checkpoint metrics in Prometheus format: printed (default), written "
                                    "atomically as a node-exporter textfile (--textfile, metrics.textfile), or served "
                                    "over HTTP (--serve).")
-    p.add_argument("--textfile", metavar="PATH", help="write this .prom file (default: metrics.textfile)")
+    p.add_argument("--textfile", metavar="PATH", help="write this .prom file (default: {config:metrics.textfile})")
     p.add_argument("--serve", action="store_true", help="serve /metrics until Ctrl-C (collected afresh on each scrape)")
-    p.add_argument("--port", type=int, metavar="N", help="port for --serve (default: metrics.port, 9817)")
-    p.add_argument("--addr", metavar="ADDR", help="address for --serve (default: metrics.addr, 127.0.0.1)")
+    p.add_argument("--port", type=int, metavar="N", help="port for --serve (default: {config:metrics.port})")
+    p.add_argument("--addr", metavar="ADDR", help="address for --serve (default: {config:metrics.addr})")
     p.set_defaults(handler=cmd_metrics)
 
     p = sub.add_parser("status", parents=[parent], help="tiers of each checkpoint, export backlog, export job, capacity")
@@ -275,6 +279,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     g = p.add_mutually_exclusive_group()
     g.add_argument("--once", action="store_true", help="run one iteration and exit (default)")
     g.add_argument("--watch", action="store_true", help="iterate until Ctrl-C / SIGTERM")
-    p.add_argument("--interval", type=float, default=5.0, metavar="S", help="seconds between iteration starts (default 5)")
+    p.add_argument("--interval", default="5s", metavar="DURATION", help="time between iteration starts (default: 5s)")
     p.add_argument("--export-status", metavar="PATH", help="status file (default: next to the root, outside the exported tree)")
     p.set_defaults(handler=cmd_export)

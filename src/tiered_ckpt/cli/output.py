@@ -49,9 +49,18 @@ class _RedactingConsole(Console):
         super().log(*(redact(o) if isinstance(o, str) else o for o in objects), **kwargs)
 
 
-stderr = _RedactingConsole(stderr=True)
-# Reports stay readable when piped (rich would fall back to 80 columns).
-stdout = _RedactingConsole(width=None if sys.stdout.isatty() else 150)
+# Not a terminal (a pipe, a file, journald): one line per fact, never wrapped (rich would wrap at
+# $COLUMNS or 80), so grep and log shippers see whole lines. A terminal keeps rich's layout.
+UNWRAPPED_WIDTH = 1 << 20
+
+
+def _console(*, to_stderr: bool) -> _RedactingConsole:
+    tty = (sys.stderr if to_stderr else sys.stdout).isatty()
+    return _RedactingConsole(stderr=to_stderr, width=None if tty else UNWRAPPED_WIDTH, soft_wrap=not tty)
+
+
+stderr = _console(to_stderr=True)
+stdout = _console(to_stderr=False)
 
 
 def print_json(data: Any) -> None:
