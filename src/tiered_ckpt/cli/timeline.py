@@ -93,7 +93,9 @@ def draw(tl: Timeline, path: str | Path, title: str | None = None,
         y = lane[e.checkpoint]
         if e.kind == RETENTION:
             mark, color = RETENTION_MARKS.get(e.action, ("o", "grey"))
-            ax.plot([x(e.start_unix)], [y], marker=mark, color=color, markersize=9, markeredgewidth=2, linestyle="none")
+            big = e.action == "blocked"      # a thin bar: drawn taller to stand out on the archive span
+            ax.plot([x(e.start_unix)], [y], marker=mark, color=color, markersize=18 if big else 9,
+                    markeredgewidth=3 if big else 2, linestyle="none")
             continue
         end = e.end_unix if e.end_unix is not None else (tl.generated_unix if e.action == PENDING else e.start_unix)
         width = max(x(end) - x(e.start_unix), span / scale / 400 if span else 0.02)
@@ -116,8 +118,7 @@ def draw(tl: Timeline, path: str | Path, title: str | None = None,
               Patch(color=COLORS[RESTORE], label="restore (path)")]
     legend += [Line2D([], [], marker=m, color=c, linestyle="none", markeredgewidth=2, label=f"retention {a}")
                for a, (m, c) in RETENTION_MARKS.items() if a != "resume-delete"]
-    if markers:
-        legend.append(Line2D([], [], color="#d62728", linestyle="--", label="event"))
+    legend += [Line2D([], [], color="#d62728", linestyle="--", label=label) for label in dict.fromkeys(m for _, m in markers)]
     ax.legend(handles=legend, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
