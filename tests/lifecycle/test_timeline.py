@@ -89,6 +89,14 @@ def test_events_follow_the_lifecycle_in_order_with_durations(lifecycle) -> None:
     assert tl.tiers[S40] == tl.tiers[S50] == "not yet archived"
     assert tl.tiers[S20] in ("archived", "not yet archived")
 
+    # Deleted again after its restore (no grace here): a second delete, after the restore.
+    ret.apply(cfg, backend, ret.Policy.from_config(cfg.retention))
+    again = timeline.gather(backend).of(S20, timeline.RETENTION)
+    assert [e.action for e in again] == ["delete", "delete"] and again[1].start_unix >= r.end_unix
+    # The async save says how long its caller was blocked.
+    (w50,) = timeline.gather(backend).of(S50, timeline.WRITE)
+    assert w50.action == "async_save" and "caller blocked" in w50.detail
+
 
 def test_since_filters_and_json_is_the_drawn_data(lifecycle, capsys) -> None:
     cfg, backend, conf, tmp = lifecycle

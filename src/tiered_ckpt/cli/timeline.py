@@ -34,6 +34,13 @@ def _utc(t: float | None) -> str:
     return "-" if t is None else datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
+def _when(t: float | None, now: float) -> str:
+    """The time of day within the last day (a live view has little room), else the date too."""
+    if t is None or now - t > 86400:
+        return _utc(t)
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%H:%M:%SZ")
+
+
 def _secs(s: float | None) -> str:
     return "-" if s is None else f"{s:.1f}s"
 
@@ -46,14 +53,18 @@ def summary(tl: Timeline) -> list[tuple[str, ...]]:
         a = tl.of(name, ARCHIVE)
         r = tl.of(name, RETENTION)
         x = tl.of(name, RESTORE)
-        write = f"{_secs(w[-1].seconds)} at {_utc(w[-1].end_unix)}" if w else "-"
+        now = tl.generated_unix
+        write = f"{_secs(w[-1].seconds)} at {_when(w[-1].end_unix, now)}" if w else "-"
         if not a:
             archived = "-"
         elif a[-1].action == PENDING:
             archived = f"not yet ({_secs(tl.generated_unix - a[-1].start_unix)} since commit): {a[-1].detail}"
         else:
             archived = f"after {_secs(a[-1].seconds)}"
-        ret = f"{r[-1].action} at {_utc(r[-1].start_unix)}" + (f": {r[-1].detail}" if r[-1].detail else "") if r else "-"
+        ret = "-"
+        if r:    # why, where it matters: a delete's reason is always the same
+            ret = f"{r[-1].action} at {_when(r[-1].start_unix, now)}" + (
+                f": {r[-1].detail}" if r[-1].detail and r[-1].action not in ("delete", "release") else "")
         restore = ", ".join(f"{e.action} {_secs(e.seconds)}" for e in x) or "-"
         rows.append((name, tl.tiers.get(name, "gone"), write, archived, ret, restore))
     return rows

@@ -120,13 +120,20 @@ def _tombstones(root: str, model: str) -> dict[str, tuple[float, str]]:
 def _history_events(hist: list[dict[str, Any]]) -> list[Event]:
     out: list[Event] = []
     last_decision: dict[str, tuple[str, str]] = {}
+    blocked: dict[str, float] = {}          # async saves: how long the caller waited, by name
     for r in hist:
         t = float(r["time_unix"])
         kind = r.get("kind")
-        if kind == records.SAVE and isinstance(r.get("name"), str):
+        if kind == records.ASYNC_SAVE and isinstance(r.get("name"), str):
+            blocked[r["name"]] = float(r.get("blocked_seconds") or 0.0)
+        elif kind == records.SAVE and isinstance(r.get("name"), str):
             secs = float(r.get("seconds") or 0.0)
-            out.append(Event(WRITE, r["name"], t - secs, t, "save", f"{r.get('files', '?')} files, world size "
-                             f"{r.get('world_size', '?')}", int(r.get("bytes") or 0)))
+            waited = blocked.pop(r["name"], None)
+            how = "save" if waited is None else "async_save"
+            detail = f"{r.get('files', '?')} files, world size {r.get('world_size', '?')}" + (
+                "" if waited is None else f", caller blocked {waited:.2f}s")
+            out.append(Event(WRITE, r["name"], t - secs, t, how, detail, int(r.get("bytes") or 0)))
+            last_decision.pop(r["name"], None)     # a new checkpoint of that name: its decisions start afresh
         elif kind == records.RETENTION:
             for d in r.get("decisions") or []:
                 if not isinstance(d, dict) or not isinstance(d.get("name"), str):
@@ -139,6 +146,7 @@ def _history_events(hist: list[dict[str, Any]]) -> list[Event]:
         elif kind == records.RESTORE and isinstance(r.get("last"), dict):
             last = r["last"]
             if isinstance(last.get("name"), str):
+                last_decision.pop(last["name"], None)   # back on the accelerator layer: a later delete is news
                 secs = float(last.get("seconds") or 0.0)
                 out.append(Event(RESTORE, last["name"], t - secs, t, str(last.get("path", "")), "",
                                  int(last.get("bytes") or 0)))
