@@ -153,6 +153,9 @@ def test_status_watch_refreshes_and_stops(lifecycle, capsys) -> None:
     assert cli.main(["status", "--config", str(conf), "--watch", "--interval", "0.1", "--iterations", "2", "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(json.loads(ln)["tiers"][S10] == "only in archive" for ln in lines)
+    # A watch flag without --watch is refused, not ignored.
+    assert cli.main(["status", "--config", str(conf), "--since", "1h"]) != 0
+    assert "--since only apply to status --watch" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

@@ -159,7 +159,7 @@ def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
 
 def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
-    if args.watch:
+    if timeline_commands.wants_watch(args):
         return timeline_commands.watch(args, cfg)
     st = gather(make_backend(cfg), export_status_path=args.export_status)
     if args.json:

@@ -177,11 +177,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
 
 # -- status --watch ---------------------------------------------------------------------------
 
+WATCH_INTERVAL = 2.0
+_WATCH_ONLY = ("interval", "iterations", "since")
+
+
+def wants_watch(args: argparse.Namespace) -> bool:
+    """--watch, or one of its flags without it (which `watch` refuses rather than ignore)."""
+    return bool(args.watch) or any(getattr(args, k) is not None for k in _WATCH_ONLY)
+
+
 def add_watch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", action="store_true",
                    help="a live view of each checkpoint's timeline, refreshed every --interval; Ctrl-C to stop "
                         "(not a terminal: one snapshot per interval)")
-    p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes (default 2)")
+    p.add_argument("--interval", type=float, metavar="S", help=f"seconds between refreshes (default {WATCH_INTERVAL:g})")
     p.add_argument("--iterations", type=int, metavar="N", help="stop after N refreshes (default: until Ctrl-C)")
     p.add_argument("--since", metavar="DURATION", help="with --watch: only what happened in the last DURATION")
 
@@ -207,6 +216,11 @@ def _snapshot(tl: Timeline) -> None:
 
 
 def watch(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    if not args.watch:
+        given = ", ".join(f"--{k}" for k in _WATCH_ONLY if getattr(args, k) is not None)
+        raise ConfigError(f"{given} only apply to status --watch; add --watch (or leave them out)")
+    if args.interval is None:
+        args.interval = WATCH_INTERVAL
     if args.interval <= 0:
         raise ConfigError(f"--interval: {args.interval} must be > 0 seconds")
     if args.iterations is not None and args.iterations < 1:
@@ -244,4 +258,5 @@ def watch(args: argparse.Namespace, cfg: NodeConfig) -> int:
     return EXIT_OK
 
 
-__all__ = ["COLUMNS", "INSTALL_HINT", "add_watch_flags", "cmd_timeline", "draw", "register", "summary", "watch"]
+__all__ = ["COLUMNS", "INSTALL_HINT", "add_watch_flags", "cmd_timeline", "draw", "register", "summary", "wants_watch",
+           "watch"]
