@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STACK ?= prod
 PYTEST_ARGS ?=
 
-.PHONY: all install debs demo test test-requeue lint unit bench plan teardown clean
+.PHONY: all install debs demo timeline-png test test-requeue lint unit bench plan teardown clean
 
 all: test
 
@@ -62,6 +62,11 @@ test-requeue: install
 demo: $(STAMP) $(AZURITE)
 	$(BIN)/python -m tiered_demo
 
+# The README's timeline picture: the demo's lifecycle run with the toolkit's commands, drawn by
+# `tiered-ckpt timeline --out docs/timeline.png`.
+timeline-png: $(STAMP) $(AZURITE)
+	$(BIN)/python -m tiered_demo.timeline --out docs/timeline.png
+
 bench: install
 	$(BIN)/python -m benchmarks
 
@@ -72,4 +77,4 @@ teardown: $(STAMP)
 	$(BIN)/python -m tiered_ops.teardown_cli --stack $(STACK) $(ARGS)
 
 clean:
-	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo .bench
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo .demo-timeline .bench

@@ -23,10 +23,12 @@ import xxhash
 
 from tiered_ckpt import api
 from tiered_ckpt.cli.output import progress_bars
+from tiered_ckpt.cli.timeline import draw
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig, RetentionConfig, validate
 from tiered_ckpt.errors import ConflictError, IntegrityError, UnavailableError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.lifecycle import retention
+from tiered_ckpt.lifecycle import timeline as toolkit_timeline
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.proof import prove
 from tiered_ckpt.lifecycle.restore import restore
@@ -34,7 +36,6 @@ from tiered_ckpt.naming import require_name
 from tiered_ckpt.tiers.backends import make_backend
 from tiered_ckpt.tiers.blob import BlobStore
 from tiered_demo.azurite import Azurite, free_port
-from tiered_demo.timeline import ARCHIVE, LOSS, RESTORE, RETENTION, WRITE, Timeline
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,6 @@ class Demo:
     def __init__(self, opts: DemoOptions) -> None:
         self.o = opts
         self.t0 = time.monotonic()
-        self.timeline = Timeline()
         self.lock = threading.Lock()
         self.reports: dict[str, CheckpointReport] = {}
         self.retention_log: list[dict[str, Any]] = []
@@ -176,7 +176,6 @@ class Demo:
                 r = self.reports[name]
                 if p.archived and r.archived_after_seconds is None:
                     r.archived_after_seconds = now - r.committed_at
-                    self.timeline.add(ARCHIVE, r.committed_at, now, name)
 
     def _retention_once(self, cfg: NodeConfig, backend: Any, policy: retention.Policy) -> None:
         res = retention.apply(cfg, backend, policy)
@@ -193,7 +192,6 @@ class Demo:
                 if r is not None and d.action in ("delete", "release", "resume-delete"):
                     r.retention, r.retention_reason = d.action, d.reason
                     self.retention_log.append({"t": round(now, 2), "checkpoint": d.name, "decision": d.action, "reason": d.reason})
-                    self.timeline.add(RETENTION, now, None, d.name, d.reason)
 
     def _retention_loop(self, cfg: NodeConfig, policy: retention.Policy, stop: threading.Event) -> None:
         backend = make_backend(cfg)
@@ -259,14 +257,12 @@ class Demo:
                 tick = time.monotonic()
                 step = (i + 1) * 100
                 state = _state(step, o.size, rng)          # "training" produced new weights
-                start = self.now()
                 res = api.save(state, epoch=0, step=step, config=cfg)
                 end = self.now()
                 last_digest = _digest(state)
                 gbps = res.bytes / res.seconds / 1e9 if res.seconds else 0.0
                 with self.lock:
                     self.reports[res.name] = CheckpointReport(res.name, res.bytes, round(res.seconds, 3), round(gbps, 3), end)
-                    self.timeline.add(WRITE, start, end, res.name)
                 say(f"step {step}: saved {res.name} ({res.bytes / 2**20:.0f} MiB in {res.seconds:.2f} s, {gbps:.2f} GB/s)")
                 time.sleep(max(0.0, o.interval - (time.monotonic() - tick)))
             newest = max(self.reports)
@@ -279,16 +275,17 @@ class Demo:
         # One last retention pass with everything exported, as the timer would do.
         self._retention_once(cfg, make_backend(cfg), policy)
 
+        # The toolkit's own timeline of the run so far: its records live on the accelerator layer
+        # (beside the root), so they go with it; what the toolkit sees afterwards is added below.
+        before = toolkit_timeline.gather(make_backend(cfg)) if o.png else None
+
         # Loss of the accelerator layer (a teardown, a failed file system): Blob is all that is left.
         shutil.rmtree(lustre)
-        self.timeline.add(LOSS, self.now())
+        lost_at = time.time()
         say("accelerator layer wiped: restoring the newest committed checkpoint from Blob")
 
-        start = self.now()
         with progress_bars(enabled=o.progress) as bars:
             result = restore(cfg, make_backend(cfg), None, verify=True, progress=bars)
-        end = self.now()
-        self.timeline.add(RESTORE, start, end, result.name)
         loaded = api.load(result.name, config=cfg, verify_hash=True)
         matches = _digest(loaded) == last_digest and result.name == newest
         if not matches:
@@ -304,8 +301,13 @@ class Demo:
         report.restore_GBps = round(result.bytes / result.seconds / 1e9, 3) if result.seconds else None
         report.restore_verified = True
         report.restore_matches_training = matches
-        if o.png:
-            report.timeline_png = str(self.timeline.draw(work / "timeline.png"))
+        if before is not None:
+            after = toolkit_timeline.gather(make_backend(cfg))
+            # Before the loss: everything the toolkit recorded; after it: the restore, and where each checkpoint is now.
+            before.events += [e for e in after.events if e.kind == toolkit_timeline.RESTORE]
+            before.tiers, before.generated_unix = after.tiers, after.generated_unix
+            report.timeline_png = str(draw(before, work / "timeline.png", title="tiered-ckpt demo",
+                                           markers=[(lost_at, "accelerator layer lost")]))
         report.total_seconds = round(self.now(), 2)
         return report
 

@@ -1,90 +1,102 @@
-"""The demo's timeline: what happened to each checkpoint, as events and as a PNG.
+"""`python -m tiered_demo.timeline --out docs/timeline.png` (`make timeline-png`): the README's picture.
 
-Pure data in (events), a picture out; matplotlib is imported only when drawing so the
-toolkit on the nodes does not need it.
+The demo's lifecycle, run with the toolkit's own commands against a private Azurite, then drawn by
+`tiered-ckpt timeline --out`: what a user sees on any root, not a picture made by the demo. A
+training loop saves through the API (as training does); after each save the local exporter runs
+once (`tiered-ckpt export --once`, the stand-in for AMLFS auto-export) and retention applies the
+policy (`tiered-ckpt retention apply`). The exporter is held back for the last rounds, as during an
+export outage, so retention blocks a checkpoint that is not proven archived; then it catches up,
+retention frees that one, an old checkpoint is restored from the archive (the download path) and
+the newest is restored in place (resident).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Event kinds, one lane per checkpoint.
-WRITE = "write"              # start .. committed
-ARCHIVE = "archive"          # committed .. every file proven in Blob
-RETENTION = "retention"      # retention removed it from the accelerator layer
-LOSS = "loss"                # the accelerator layer was wiped (not per checkpoint)
-RESTORE = "restore"          # download from Blob .. verified and committed again
+from tiered_ckpt import api
+from tiered_ckpt.config import ArchiveConfig, NodeConfig, RetentionConfig, dump, parse_duration, parse_size
+from tiered_ckpt.errors import UserError
+from tiered_ckpt.tiers.blob import BlobStore
+from tiered_demo.azurite import Azurite
+
+OUTAGE_ROUNDS = 3        # the last rounds run without the exporter
 
 
-@dataclass(frozen=True)
-class Event:
-    kind: str
-    start: float                     # seconds since the run began
-    end: float | None = None         # None for an instant
-    checkpoint: str | None = None
-    detail: str = ""
+def toolkit(conf: Path, *args: str) -> dict[str, Any]:
+    """One `tiered-ckpt ... --json` command; its JSON answer (a failure stops the run, with its message)."""
+    r = subprocess.run([sys.executable, "-m", "tiered_ckpt", *args, "--config", str(conf), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise UserError(f"tiered-ckpt {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+    out: dict[str, Any] = json.loads(r.stdout) if r.stdout.strip() else {}
+    return out
 
 
-@dataclass
-class Timeline:
-    events: list[Event] = field(default_factory=list)
+def run(out: Path, workdir: Path, checkpoints: int, size: int, interval: float, say: Any = print) -> dict[str, Any]:
+    if checkpoints < OUTAGE_ROUNDS + 3:
+        raise UserError(f"--checkpoints {checkpoints}: use at least {OUTAGE_ROUNDS + 3} (deletes, a block and restores)")
+    work = workdir.resolve()
+    for p in (work / "lustre", work / "azurite"):
+        shutil.rmtree(p, ignore_errors=True)
+    (work / "azurite").mkdir(parents=True)
+    root = work / "lustre" / "checkpoints"
+    root.mkdir(parents=True)
+    with Azurite(location=str(work / "azurite")) as server:
+        cfg = NodeConfig(root=str(root), model="demo-llm", backend="local",
+                         archive=ArchiveConfig(container="checkpoints", prefix="checkpoints",
+                                               connection_string=server.connection_string, concurrency=4, retries=3),
+                         retention=RetentionConfig(keep_last=2, min_keep=2, action="delete"))
+        conf = work / "node.yaml"
+        conf.write_text(dump(cfg))
+        BlobStore(cfg.archive).ensure_container()
+        names = []
+        for i in range(checkpoints):
+            tick = time.monotonic()
+            res = api.save({"model.weight": os.urandom(size)}, epoch=0, step=(i + 1) * 100, config=cfg)
+            names.append(res.name)
+            outage = i >= checkpoints - OUTAGE_ROUNDS
+            if not outage:
+                toolkit(conf, "export", "--once")
+            done = toolkit(conf, "retention", "apply").get("applied") or []
+            say(f"saved {res.name}; export {'held back' if outage else 'ran'}; retention: {', '.join(done) or 'nothing'}")
+            time.sleep(max(0.0, interval - (time.monotonic() - tick)))
+        toolkit(conf, "export", "--once")
+        done = toolkit(conf, "retention", "apply").get("applied") or []
+        say(f"export caught up; retention: {', '.join(done) or 'nothing'}")
+        old = toolkit(conf, "restore", names[1])
+        new = toolkit(conf, "restore", "--latest")
+        say(f"restored {old['name']} ({old['source']}) and {new['name']} ({new['source']})")
+        out = out.resolve()
+        got = toolkit(conf, "timeline", "--out", str(out))
+        say(f"timeline: {got['png']} ({len(got['events'])} events)")
+        return got
 
-    def add(self, kind: str, start: float, end: float | None = None, checkpoint: str | None = None, detail: str = "") -> Event:
-        ev = Event(kind, start, end, checkpoint, detail)
-        self.events.append(ev)
-        return ev
 
-    def checkpoints(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for ev in self.events:
-            if ev.checkpoint is not None:
-                seen.setdefault(ev.checkpoint, None)
-        return list(seen)
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tiered_demo.timeline", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="docs/timeline.png", help="the PNG to write (default: docs/timeline.png)")
+    p.add_argument("--dir", default=".demo-timeline", help="work directory (default: .demo-timeline)")
+    p.add_argument("--checkpoints", type=int, default=7, help="checkpoints to save (default: 7)")
+    p.add_argument("--size", default="64MiB", help="bytes per checkpoint (default: 64MiB)")
+    p.add_argument("--interval", default="2s", help="time between checkpoints (default: 2s)")
+    a = p.parse_args(argv)
+    try:
+        run(Path(a.out), Path(a.dir), a.checkpoints, parse_size(a.size, "--size"),
+            parse_duration(a.interval, "--interval"), say=lambda m: print(m, file=sys.stderr))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
 
-    def to_json(self) -> list[dict[str, Any]]:
-        return [asdict(e) for e in self.events]
 
-    def draw(self, path: str | Path, title: str = "tiered-ckpt demo") -> Path:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on nodes or CI
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-
-        names = self.checkpoints()
-        lane = {n: i for i, n in enumerate(names)}
-        colors = {WRITE: "#1f77b4", ARCHIVE: "#2ca02c", RESTORE: "#9467bd"}
-        fig, ax = plt.subplots(figsize=(10, 2.0 + 0.45 * max(1, len(names))))
-        for ev in self.events:
-            if ev.kind == LOSS:
-                ax.axvline(ev.start, color="#d62728", linestyle="--", linewidth=1.5)
-                ax.text(ev.start, -0.55, " accelerator layer lost", color="#d62728", fontsize=8, va="bottom")
-                continue
-            if ev.checkpoint is None:
-                continue
-            y = lane[ev.checkpoint]
-            if ev.kind == RETENTION:
-                ax.plot([ev.start], [y], marker="x", color="#ff7f0e", markersize=9, markeredgewidth=2)
-                continue
-            end = ev.end if ev.end is not None else ev.start
-            ax.barh(y, max(end - ev.start, 0.02), left=ev.start, height=0.5 if ev.kind != ARCHIVE else 0.25,
-                    color=colors.get(ev.kind, "grey"), alpha=0.9)
-        ax.set_yticks(range(len(names)), names, fontsize=8)
-        ax.set_ylim(len(names) - 0.5, -0.9)   # first checkpoint on top, room for the loss label
-        ax.set_xlim(left=0)
-        ax.set_xlabel("seconds since start")
-        ax.set_title(title)
-        ax.legend(handles=[Patch(color=colors[WRITE], label="write + commit"),
-                           Patch(color=colors[ARCHIVE], label="until archived in Blob"),
-                           Patch(color=colors[RESTORE], label="restore from Blob"),
-                           Patch(color="#ff7f0e", label="retention removed (x)"),
-                           Patch(color="#d62728", label="loss of the accelerator layer")],
-                  fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, frameon=False)
-        ax.grid(axis="x", alpha=0.3)
-        fig.tight_layout()
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
-        return out
+if __name__ == "__main__":
+    sys.exit(main())

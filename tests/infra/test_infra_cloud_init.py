@@ -155,7 +155,8 @@ def test_toolkit_tarball_is_deterministic_and_installable(tmp_path: Path) -> Non
         assert all(m.mtime == 0 and m.uid == 0 for m in tar.getmembers())
         # Exactly the node toolkit: no operator (teardown, preview, Pulumi driver) or demo module.
         assert all(n == "pyproject.toml" or n.startswith("src/tiered_ckpt/") for n in names), names
-        assert not any(k in n for n in names for k in ("tiered_ops", "tiered_demo", "teardown", "azurite", "timeline"))
+        # (The toolkit's own `timeline` command is a node module: it imports matplotlib only to draw.)
+        assert not any(k in n for n in names for k in ("tiered_ops", "tiered_demo", "teardown", "azurite"))
 
 
 @pytest.mark.timeout(600)

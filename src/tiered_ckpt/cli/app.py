@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from tiered_ckpt import config as config_mod
 from tiered_ckpt.cli import io as io_commands
 from tiered_ckpt.cli import lifecycle as lifecycle_commands
+from tiered_ckpt.cli import timeline as timeline_commands
 from tiered_ckpt.cli.output import install_log_redaction, print_error, redact
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
@@ -28,6 +29,7 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]", arg
 COMMANDS: tuple[Registrar, ...] = (
     io_commands.register,          # bench, list, verify
     lifecycle_commands.register,   # retention, restore, status, export
+    timeline_commands.register,    # timeline
 )
 
 # In a help text, "{config:io.threads}" becomes the setting's effective value and where it comes

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import threading
 
+from tiered_ckpt.cli import timeline as timeline_commands
 from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progress_bars, stderr, stdout
 from tiered_ckpt.config import NodeConfig, format_duration, parse_duration
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
@@ -160,6 +161,8 @@ def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
 
 def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    if timeline_commands.wants_watch(args):
+        return timeline_commands.watch(args, cfg)
     st = gather(make_backend(cfg), export_status_path=args.export_status)
     if args.json:
         print_json({"ok": True, **st.to_json()})
@@ -269,6 +272,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
 
     p = sub.add_parser("status", parents=[parent], help="tiers of each checkpoint, export backlog, export job, capacity")
     p.add_argument("--export-status", metavar="PATH", help="local exporter status file (default: next to the root)")
+    timeline_commands.add_watch_flags(p)
     p.set_defaults(handler=cmd_status)
 
     p = sub.add_parser("export", parents=[parent],

@@ -352,7 +352,8 @@ def _record(cfg: NodeConfig, res: RestoreResult) -> None:
     path = res.source if res.source != "archive" else ("import" if cfg.backend == "amlfs" else "download")
     by = dict((records.read(cfg.root, cfg.model, records.RESTORE) or {}).get("by_path") or {})
     by[path] = {"name": res.name, "seconds": res.seconds, "bytes": res.bytes}
-    records.record(cfg.root, cfg.model, records.RESTORE, {"by_path": by}, totals={path: 1})
+    records.record(cfg.root, cfg.model, records.RESTORE, {"by_path": by, "last": {"path": path, **by[path]}},
+                   totals={path: 1})
 
 
 def _bookkeeping(cfg: NodeConfig, name: str, res: RestoreResult) -> None:

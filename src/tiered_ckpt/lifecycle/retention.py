@@ -261,8 +261,11 @@ def _record(cfg: NodeConfig, res: ApplyResult) -> None:
     deleted = sum(1 for x in res.done if x.startswith("delete "))
     released = sum(1 for x in res.done if x.startswith("release "))
     blocked = sum(1 for d in res.decisions if d.action == BLOCKED)
+    # Each checkpoint retention acted on or could not free, and why (the timeline shows them).
+    acted = [{"name": d.name, "action": d.action, "reason": d.reason} for d in res.decisions if d.action != KEEP]
     records.record(cfg.root, cfg.model, records.RETENTION,
-                   {"deleted": deleted, "released": released, "blocked": blocked, "freed_bytes": res.freed_bytes},
+                   {"deleted": deleted, "released": released, "blocked": blocked, "freed_bytes": res.freed_bytes,
+                    "decisions": acted},
                    totals={"deleted": deleted, "released": released, "runs": 1})
 
 

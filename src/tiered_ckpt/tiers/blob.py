@@ -45,6 +45,9 @@ class BlobInfo:
     name: str
     size: int
     metadata: dict[str, str]
+    # Last-Modified (Unix time): any write, a metadata update included, moves it (Get Blob Properties,
+    # Blob service REST reference), so the newest of a checkpoint's blobs says when it became provable.
+    last_modified: float | None = None
 
     @property
     def xxh3(self) -> str | None:
@@ -214,7 +217,8 @@ class BlobStore:
         def go() -> dict[str, BlobInfo]:
             out: dict[str, BlobInfo] = {}
             for b in self.container.list_blobs(name_starts_with=start, include=["metadata"]):
-                out[self.rel(b.name)] = BlobInfo(b.name, int(b.size or 0), dict(b.metadata or {}))
+                out[self.rel(b.name)] = BlobInfo(b.name, int(b.size or 0), dict(b.metadata or {}),
+                                                 b.last_modified.timestamp() if b.last_modified else None)
                 activity[0] = time.monotonic()        # pages keep arriving: progress
             return out
 
