@@ -283,10 +283,10 @@ def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | No
         unknown = sorted(set(into or {}) - set(idx))
         if unknown:
             raise UserError(f"load into: {unknown} not in checkpoint {m.name} (it holds {sorted(idx)[:10]})")
-        flat: dict[nested.BufferKey, Any] = dict(idx)
+        flat: dict[nested.BufferKey, Any] = {k: v for k, v in idx.items()}
         return _load_entries(ckpt, m, flat, rank, into or {}, check_hash, threads, block_size, direct, progress)
     dests = nested.destinations(tree, into, f"checkpoint {m.name}") if into else {}
-    entries: dict[nested.BufferKey, Any] = dict(idx)
+    entries: dict[nested.BufferKey, Any] = {k: v for k, v in idx.items()}
     for owner, name in nested.remote_refs(tree):    # checked above: they exist
         entries[(owner, name)] = ranks[str(owner)][name]
     buffers = _load_entries(ckpt, m, entries, rank, dests, check_hash, threads, block_size, direct, progress)
