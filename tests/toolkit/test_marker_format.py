@@ -228,3 +228,30 @@ def test_latest_is_the_newest_committed_and_skips_newer_broken_ones(cfg: NodeCon
     assert [c.committed for c in infos] == [True] * 27 + [False] * 4
     assert "invalid marker" in (infos[-2].why_not_committed or "") and "bytes, manifest says" in (
         infos[-3].why_not_committed or "")
+
+
+def test_file_mode_commit_waits_for_a_whole_part_not_a_partly_written_one(tmp_path: Path) -> None:
+    # Without torch.distributed rank 0 learns a rank is done from its part file, which has its
+    # final name while it is written: a part cut anywhere (even right after its header line) is
+    # not done yet.
+    import os
+
+    from tiered_ckpt.errors import UserError
+    from tiered_ckpt.io import save_commit
+    from tiered_ckpt.naming import make_id
+
+    cid, sid = make_id(0, 1), "job-1"
+    whole = mf.encode_part({"save_id": sid, "rank": 1, "world_size": 2, "checkpoint": cid.name, "files": []},
+                           {"index": {"w": {"kind": "bytes", "dtype": None, "shape": None, "nbytes": 0,
+                                            "segments": []}}})
+    head_end = whole.index(b"\n") + 1
+    dfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for cut in (head_end - 1, head_end, head_end + 5, len(whole) - 1):
+            (tmp_path / f"rank00001.{sid}.part.json").write_bytes(whole[:cut])
+            with pytest.raises(UserError, match="did not finish writing"):
+                save_commit.wait_for_parts(dfd, cid, sid, 2, barrier_timeout=0.2)
+        (tmp_path / f"rank00001.{sid}.part.json").write_bytes(whole)
+        save_commit.wait_for_parts(dfd, cid, sid, 2, barrier_timeout=5)
+    finally:
+        os.close(dfd)

@@ -142,8 +142,11 @@ def _noted_error(note: dict[str, Any], message: str, tail: str) -> UserError:
 
 
 def _header(data: bytes | None) -> dict[str, Any]:
-    """A part manifest's header (not its index: committing never parses one); {} if not one."""
-    if data is None:
+    """A part manifest's header (not its index: committing never parses one); {} if not one.
+
+    Also {} for a part still being written (file mode: its name is final from the start): a
+    whole part ends with the newline after its index line, and no line holds a raw newline."""
+    if data is None or not data.endswith(b"\n") or data.find(b"\n") == len(data) - 1:
         return {}
     try:
         return mf.part_header(data)
