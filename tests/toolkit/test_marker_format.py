@@ -130,6 +130,12 @@ def _spoil(d: Path, how: str, outside: Path) -> str:
     if how == "structure-names-a-missing-buffer":
         index_files.rewrite_part(d, 0, lambda h, b: b["structure"]["dict"][0][1].update(buf="nope"))
         return "names buffer 'nope', which the rank's index does not hold"
+    if how == "structure-not-a-tree":
+        index_files.rewrite_part(d, 0, lambda h, b: b["structure"]["dict"][0].__setitem__(1, {}))
+        return "has a node '{}'"
+    if how == "rbuf-of-a-rank-that-is-not-there":
+        index_files.rewrite_part(d, 0, lambda h, b: b["structure"]["dict"][0].__setitem__(1, {"rbuf": [7, "a"]}))
+        return "names buffer 'a' of rank 7, which that rank's index does not hold"
     if how == "symlink-out":
         outside.write_bytes(data)
         (d / rel).unlink()
@@ -147,7 +153,8 @@ def _spoil(d: Path, how: str, outside: Path) -> str:
 # (how, found by the marker's size checks already (list/latest: not committed) vs only when the index is read)
 SPOILS = [("changed-after-commit", False), ("not-json", False), ("one-line", False),
           ("segment-of-an-unlisted-file", False), ("segment-past-the-end", False), ("index-of-another-rank", False),
-          ("index-of-another-save", False), ("structure-names-a-missing-buffer", False), ("symlink-out", True),
+          ("index-of-another-save", False), ("structure-names-a-missing-buffer", False),
+          ("structure-not-a-tree", False), ("rbuf-of-a-rank-that-is-not-there", False), ("symlink-out", True),
           ("truncated", True), ("missing", True)]
 
 

@@ -501,13 +501,29 @@ def parse_index(data: bytes, m: Manifest, rank: int) -> RankIndex:
     return RankIndex(bufs, tree)
 
 
-def check_structure(idx: RankIndex, rank: int, ranks: Mapping[str, Mapping[str, Any]]) -> None:
+class _AnyBuffer:
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+class _AnyRank(dict[str, Any]):
+    """Every other rank holds every buffer: for checking a tree's shape before the ranks its
+    rbuf nodes name are read."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return _AnyBuffer()
+
+
+def check_structure(idx: RankIndex, rank: int, ranks: Mapping[str, Mapping[str, Any]] | None) -> None:
     """Rank `rank`'s structure tree against its own buffers and those of the other ranks it names
-    (`ranks`: rank (str) -> buffers, at least every rank an rbuf node names); InvalidIndex."""
+    (`ranks`: rank (str) -> buffers, at least every rank an rbuf node names); InvalidIndex.
+
+    ranks=None: the tree's shape and its own buffers only (then io.nested may walk it to find
+    the ranks it names)."""
     if idx.structure is None:
         return
     try:
-        check_tree(idx.structure, "structure", idx.buffers, rank=rank, ranks=ranks)
+        check_tree(idx.structure, "structure", idx.buffers, rank=rank, ranks=_AnyRank() if ranks is None else ranks)
     except ValueError as e:
         raise InvalidIndex(str(e)) from None
 

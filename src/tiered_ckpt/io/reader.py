@@ -255,10 +255,11 @@ def _indexes(ckpt_dir: Path, m: mf.Manifest, rank: int) -> tuple[mf.RankIndex, d
     if m.index_files is None:              # format 1: the marker's schema checked it all
         ranks.update(m.index.get("ranks", {}))
         return own, ranks
-    for owner in sorted({o for o, _ in nested.remote_refs(own.structure) if type(o) is int}):
-        if str(owner) not in ranks and 0 <= owner < m.world_size:
-            ranks[str(owner)] = read_index(ckpt_dir, m, owner).buffers
     try:
+        mf.check_structure(own, rank, None)       # its shape first: then it can be walked
+        for owner in sorted({o for o, _ in nested.remote_refs(own.structure)}):
+            if str(owner) not in ranks and 0 <= owner < m.world_size:
+                ranks[str(owner)] = read_index(ckpt_dir, m, owner).buffers
         mf.check_structure(own, rank, ranks)
     except mf.InvalidIndex as e:
         raise IntegrityError(f"{ckpt_dir} is not committed (invalid index {m.index_files[rank]}: {e}); "
