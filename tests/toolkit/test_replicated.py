@@ -195,6 +195,10 @@ def test_a_marker_naming_a_missing_replicated_buffer_is_not_committed(root: Path
     refs = nested.remote_refs(index_files.part(d, 0)[1]["structure"])
     assert refs and all(owner == 1 for owner, _ in refs), refs     # rank 0 left part of the model to rank 1
     owner, name = refs[0]
+    before = mf.find(root, "m", "global_epoch0_step1")
+    assert before is not None
+    for r in (0, 1):                                       # as written: each rank loads the whole model
+        assert set(reader.load(before, rank=r)["model"]) == set(reader.load(before, rank=1 - r)["model"])
     v1 = index_files.as_v1(d)                              # the same checkpoint as a format 1 marker
     del v1["index"]["ranks"][str(owner)][name]
     with pytest.raises(marker.InvalidMarker, match=f"names buffer '{name}' of rank {owner}"):

@@ -513,6 +513,9 @@ class _AnyRank(dict[str, Any]):
     def get(self, key: str, default: Any = None) -> Any:
         return _AnyBuffer()
 
+    def __bool__(self) -> bool:     # empty, yet not "no ranks given" (check_tree: `ranks or {}`)
+        return True
+
 
 def check_structure(idx: RankIndex, rank: int, ranks: Mapping[str, Mapping[str, Any]] | None) -> None:
     """Rank `rank`'s structure tree against its own buffers and those of the other ranks it names
