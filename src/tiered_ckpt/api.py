@@ -221,7 +221,10 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
 
 def latest(*, root: str | Path | None = None, model: str | None = None,
            config: config_mod.NodeConfig | None = None) -> mf.CheckpointInfo | None:
-    """The newest committed checkpoint (by epoch, step), found by scanning markers; None if none."""
+    """The newest committed checkpoint (by epoch, step); None if none.
+
+    Directories are tried newest first by name; the first whose marker is valid and whose files
+    have their listed sizes is it (older ones are not read; no index is parsed)."""
     cfg = _cfg(config, root, model)
     return mf.latest_committed(cfg.root, cfg.model, cfg.naming)
 

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 import tiered_ckpt as tc
+from tests.toolkit import index_files
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
@@ -54,10 +55,6 @@ def _set(**kv: Any) -> Callable[[Path, Path], None]:
     return _edit(lambda m: m.update(kv))
 
 
-def _segments(m: dict[str, Any]) -> list[list[Any]]:
-    return [s for b in m["index"]["ranks"]["0"].values() for s in b["segments"]]
-
-
 def _nul(m: dict[str, Any]) -> None:
     _shard(m)["path"] = "shard\0.bin"
 
@@ -81,16 +78,6 @@ def _under_regular_file(d: Path, outside: Path) -> None:
     (d / "stray.bin").write_bytes(b"x")
     m = _marker(d)
     m["files"].append({"path": "stray.bin/x", "size": 1, "hash": None, "rank": 0})
-    _rewrite(d, m)
-
-
-def _segment_unlisted(d: Path, outside: Path) -> None:
-    # Today: load() reads zeros from a file nobody hashed, and verify --hash passes.
-    m = _marker(d)
-    shard = _shard(m)
-    (d / "other.bin").write_bytes(b"\0" * shard["size"])
-    for s in _segments(m):
-        s[0] = "other.bin"
     _rewrite(d, m)
 
 
@@ -127,9 +114,9 @@ CASES: list[tuple[str, Callable[[Path, Path], None], str, bool]] = [
     ("path-under-a-regular-file", _under_regular_file, "stray.bin/x: missing", False),
     ("path-is-an-int", _edit(_path_int), "path is 5, not a string", True),
     ("created-utc-int", _set(created_utc=5), "created_utc is 5", True),
-    ("index-oops", _set(index="oops"), "index is 'oops', not a mapping", True),
+    ("index-oops", _set(index_files="oops"), "index_files is 'oops', not a list of 1 file path(s)", True),
+    ("embedded-index-in-format-2", _set(index={}), "has unknown keys ['index']", True),
     ("files-empty", _set(files=[]), "files is empty", True),
-    ("segment-of-an-unlisted-file", _segment_unlisted, "which the marker does not list", True),
     ("marker-is-a-directory", _marker_dir, "a directory", True),
     ("marker-is-a-fifo", _marker_fifo, "a FIFO", True),
     ("data-file-is-a-symlink-out", _data_symlink, "a symbolic link, not a regular file", False),
@@ -316,9 +303,7 @@ def test_parse_marker_refuses_with_one_line_why(data: bytes, needle: str) -> Non
 def test_a_dtype_the_array_library_does_not_know_is_an_integrity_error(cfg: NodeConfig, root: Path) -> None:
     tc.save({"a": b"x" * 64}, epoch=0, step=1, config=cfg)
     d = root / "m" / "global_epoch0_step1"
-    m = _marker(d)
-    m["index"]["ranks"]["0"]["a"].update(kind="torch", dtype="load", shape=[16])
-    _rewrite(d, m)
+    index_files.rewrite_part(d, 0, lambda head, body: body["index"]["a"].update(kind="torch", dtype="load", shape=[16]))
     with pytest.raises(IntegrityError, match="cannot be allocated"):
         tc.load(config=cfg, rank=0)
 

@@ -11,16 +11,13 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
+from tests.toolkit import index_files
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import UserError
 from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import reader
 
 needs_torch = pytest.mark.skipif(__import__("importlib").util.find_spec("torch") is None, reason="torch not installed")
-
-
-def _marker(root: Path, name: str) -> dict[str, Any]:
-    d: dict[str, Any] = json.loads((root / "m" / name / mf.MARKER).read_bytes())
-    return d
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -80,10 +77,11 @@ def test_model_and_adamw_state_round_trip_bit_exact_and_load_back(cfg: NodeConfi
         assert torch.equal(p, q)
         assert _equal(opt.state[p], fresh_opt.state[q])
 
-    # the structure is in the marker's index (and validates), the buffers under their paths
-    m = _marker(root, "global_epoch1_step3")
-    assert "structure" in m["index"] and "optim.state.3.exp_avg" in m["index"]["ranks"]["0"]
-    assert mf.validate(m).index["structure"]["0"] == m["index"]["structure"]["0"]
+    # the structure is in the rank's index file (and validates), the buffers under their paths
+    head, body = index_files.part(root / "m" / "global_epoch1_step3", 0)
+    assert "structure" in body and "optim.state.3.exp_avg" in body["index"]
+    m = mf.read_marker(root / "m" / "global_epoch1_step3")
+    assert m is not None and reader.read_index(root / "m" / "global_epoch1_step3", m, 0).structure == body["structure"]
 
 
 def test_numpy_nested_lists_and_scalars(cfg: NodeConfig) -> None:
@@ -160,10 +158,8 @@ def test_refused_values_and_cycles_name_the_path(cfg: NodeConfig) -> None:
 def test_flat_state_marker_has_no_structure_and_old_markers_still_load(cfg: NodeConfig, root: Path) -> None:
     # A flat mapping of buffers is today's format: no structure anywhere, buffers under their keys.
     tc.save(OrderedDict(w=np.arange(4, dtype=np.float32), b=b"xy"), epoch=0, step=1, config=cfg)
-    m = _marker(root, "global_epoch0_step1")
-    assert set(m["index"]) == {"save_id", "ranks"} and set(m["index"]["ranks"]["0"]) == {"w", "b"}
-    part = json.loads(next((root / "m" / "global_epoch0_step1").glob("rank00000.*.part.json")).read_bytes())
-    assert "structure" not in part
+    head, body = index_files.part(root / "m" / "global_epoch0_step1", 0)
+    assert set(body) == {"index"} and list(body["index"]) == ["w", "b"]
     out = tc.load(config=cfg)
     assert type(out) is dict and np.array_equal(out["w"], np.arange(4, dtype=np.float32)) and bytes(out["b"]) == b"xy"
 
@@ -244,7 +240,7 @@ def test_each_rank_records_its_own_structure(cfg: NodeConfig, root: Path) -> Non
         out = tc.load(config=cfg, rank=r, verify_hash=True)
         assert out["rank"] == r and out["meta"] == {"of": [r, 2]}
         assert [bytes(s) for s in out["shards"]] == [bytes([r + 1]) * (50_000 + r)] * (r + 1)
-    assert set(_marker(root, "global_epoch0_step5")["index"]["structure"]) == {"0", "1"}
+    assert all("structure" in index_files.part(root / "m" / "global_epoch0_step5", r)[1] for r in (0, 1))
 
 
 def test_async_save_snapshots_the_nested_state(cfg: NodeConfig) -> None:

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 import tiered_ckpt as tc
+from tests.toolkit import index_files
 from tiered_ckpt.config import NodeConfig
+from tiered_ckpt.errors import IntegrityError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import marker, nested
+from tiered_ckpt.io import marker, nested, reader
 from tiered_ckpt.io.reader import verify
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
@@ -188,21 +190,36 @@ def test_a_rank_killed_mid_save_never_commits_with_a_replicated_entry_missing(ro
 def test_a_marker_naming_a_missing_replicated_buffer_is_not_committed(root: Path) -> None:
     assert all(rc == 0 for rc, _ in _file_mode(root, "s1"))
     d = root / "m" / "global_epoch0_step1"
-    raw = json.loads((d / mf.MARKER).read_bytes())
+    raw = index_files.marker(d)
     marker.validate(raw)                                   # as written: valid
-    refs = nested.remote_refs(raw["index"]["structure"]["0"])
+    refs = nested.remote_refs(index_files.part(d, 0)[1]["structure"])
     assert refs and all(owner == 1 for owner, _ in refs), refs     # rank 0 left part of the model to rank 1
     owner, name = refs[0]
-    del raw["index"]["ranks"][str(owner)][name]            # the owner's copy is gone
+    before = mf.find(root, "m", "global_epoch0_step1")
+    assert before is not None
+    for r in (0, 1):                                       # as written: each rank loads the whole model
+        assert set(reader.load(before, rank=r)["model"]) == set(reader.load(before, rank=1 - r)["model"])
+    v1 = index_files.as_v1(d)                              # the same checkpoint as a format 1 marker
+    del v1["index"]["ranks"][str(owner)][name]
     with pytest.raises(marker.InvalidMarker, match=f"names buffer '{name}' of rank {owner}"):
-        marker.validate(raw)
+        marker.validate(v1)
+    # format 2: the owner's index file no longer holds it (size and hash re-recorded: a valid
+    # file, a hostile index) -> neither rank can load (rank 1's own tree names it too); verify says so
+    index_files.rewrite_part(d, owner, lambda head, body: body["index"].pop(name))
+    info = mf.find(root, "m", "global_epoch0_step1")
+    assert info is not None and info.committed             # the marker alone is fine
+    with pytest.raises(IntegrityError, match=f"not committed .invalid index .*names buffer '{name}' of rank {owner}"):
+        reader.load(info, rank=0)
+    with pytest.raises(IntegrityError, match=f"buffer '{name}', which the rank's index does not hold"):
+        reader.load(info, rank=1)
+    rep = reader.verify(d)
+    assert not rep.ok and any(f"names buffer '{name}'" in p for p in rep.problems), rep
 
 
 def test_one_rank_declaring_replicated_changes_nothing(cfg: NodeConfig, root: Path) -> None:
     state = {"w": np.arange(1000, dtype=np.float32), "b": b"xyz"}
     tc.save(state, epoch=0, step=1, config=cfg, replicated=["w"])
-    raw = json.loads((root / "m" / "global_epoch0_step1" / mf.MARKER).read_bytes())
-    assert "structure" not in raw["index"]                 # a flat state's marker, as it always was
+    assert "structure" not in index_files.part(root / "m" / "global_epoch0_step1", 0)[1]   # a flat state's index
     got = tc.load(config=cfg)
     assert np.array_equal(got["w"], state["w"]) and bytes(got["b"]) == b"xyz"
 

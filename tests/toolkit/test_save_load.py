@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import reader
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
 from tiered_ckpt.io.sources import SyntheticSource
@@ -115,11 +115,14 @@ def test_index_records_where_each_buffer_lives(cfg: NodeConfig, root: Path) -> N
     tc.save(_state(), epoch=0, step=6, config=cfg)
     m = mf.read_marker(root / "m" / "global_epoch0_step6")
     assert m is not None
-    entry = m.index["ranks"]["0"]["weights"]
+    # The marker points at the rank's part manifest, which holds the index (marker format 2).
+    assert m.format == mf.FORMAT and m.index == {} and m.index_files == [f"rank00000.{m.save_id}.part.json"]
+    idx = reader.read_index(root / "m" / "global_epoch0_step6", m, 0)
+    entry = idx.buffers["weights"]
     assert entry["kind"] == "numpy" and entry["shape"] == [300, 517] and entry["nbytes"] == 300 * 517 * 4
     assert sum(seg[2] for seg in entry["segments"]) == entry["nbytes"]
-    part = json.loads((root / "m" / "global_epoch0_step6" / f"rank00000.{m.save_id}.part.json").read_bytes())
-    assert part["index"] == m.index["ranks"]["0"]
+    part = (root / "m" / "global_epoch0_step6" / f"rank00000.{m.save_id}.part.json").read_bytes()
+    assert mf.part_body(part)["index"] == idx.buffers
 
 
 def test_bad_input_gives_one_clear_error(cfg: NodeConfig) -> None:

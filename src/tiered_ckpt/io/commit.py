@@ -30,22 +30,32 @@ from tiered_ckpt.io import fsafe
 # The marker's format lives in io/marker.py; the protocol's users get its names from here.
 from tiered_ckpt.io.marker import (
     FORMAT,
+    FORMAT_V1,
     MARKER,
+    MAX_INDEX_BYTES,
     MAX_MARKER_BYTES,
     FileEntry,
+    InvalidIndex,
     InvalidMarker,
     Manifest,
+    RankIndex,
+    check_structure,
+    encode_part,
+    parse_index,
     parse_marker,
+    part_body,
+    part_header,
     path_problem,
     validate,
 )
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import CheckpointId, parse_in
 
-__all__ = ["FORMAT", "MARKER", "MAX_MARKER_BYTES", "CheckpointInfo", "FileEntry", "InvalidMarker", "Manifest",
-           "committed", "find", "fsync_dir", "inspect", "latest_committed", "model_dir", "parse_marker", "path_problem",
-           "read_marker", "read_marker_checked", "remove_checkpoint", "require_root", "scan", "size_problems",
-           "validate", "write_marker"]
+__all__ = ["FORMAT", "FORMAT_V1", "MARKER", "MAX_INDEX_BYTES", "MAX_MARKER_BYTES", "CheckpointInfo", "FileEntry",
+           "InvalidIndex", "InvalidMarker", "Manifest", "RankIndex", "check_structure", "committed", "encode_part",
+           "find", "fsync_dir", "inspect", "latest_committed", "model_dir", "parse_index", "parse_marker",
+           "part_body", "part_header", "path_problem", "read_marker", "read_marker_checked", "remove_checkpoint",
+           "require_root", "scan", "size_problems", "validate", "write_marker"]
 
 
 # -- the marker on disk -------------------------------------------------------------------------
@@ -250,14 +260,10 @@ def model_dir(root: str | os.PathLike[str], model: str) -> Path:
     return Path(root) / model
 
 
-def scan(root: str | os.PathLike[str], model: str, naming: str | None = DEFAULT_NAMING) -> list[CheckpointInfo]:
-    """Every checkpoint directory of a model, committed or not, oldest first.
-
-    Directories named in scheme `naming` (the model's `naming:`; None: any built-in scheme) are
-    checkpoints; anything else is not one of this model's.
-    The root is trusted; below it nothing is followed: a model or checkpoint directory that
-    is a symlink is not scanned (it could point anywhere, e.g. at another model's data).
-    """
+def _candidates(root: str | os.PathLike[str], model: str,
+                naming: str | None) -> list[tuple[CheckpointId, str]]:
+    """(id, name) of every directory of a model that is named as a checkpoint, oldest first;
+    nothing read inside them. The root is trusted; below it nothing is followed."""
     d = model_dir(root, model)
     try:
         dfd = fsafe.open_dir(d, anchor=root)
@@ -273,8 +279,22 @@ def scan(root: str | os.PathLike[str], model: str, naming: str | None = DEFAULT_
         cid = parse_in(name, naming)
         # Only the canonical spelling of this model's scheme: "..._step05" would alias "..._step5".
         if cid is not None and is_dir and cid.name == name:
-            found.append(inspect(model, d / name, cid, anchor=root))
-    return sorted(found, key=lambda c: c.id)
+            found.append((cid, name))
+    return sorted(found)
+
+
+def scan(root: str | os.PathLike[str], model: str, naming: str | None = DEFAULT_NAMING) -> list[CheckpointInfo]:
+    """Every checkpoint directory of a model, committed or not, oldest first.
+
+    Directories named in scheme `naming` (the model's `naming:`; None: any built-in scheme) are
+    checkpoints; anything else is not one of this model's.
+    The root is trusted; below it nothing is followed: a model or checkpoint directory that
+    is a symlink is not scanned (it could point anywhere, e.g. at another model's data).
+    Each marker is read and its files' sizes checked; no index is read (format 2 markers do not
+    hold one).
+    """
+    d = model_dir(root, model)
+    return [inspect(model, d / name, cid, anchor=root) for cid, name in _candidates(root, model, naming)]
 
 
 def committed(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
@@ -283,14 +303,22 @@ def committed(infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
 
 def latest_committed(root: str | os.PathLike[str], model: str,
                      naming: str = DEFAULT_NAMING) -> CheckpointInfo | None:
-    done = committed(scan(root, model, naming))
-    return done[-1] if done else None
+    """The newest committed checkpoint: directories newest first by name (epoch, step), stopping
+    at the first whose marker is valid and whose files all have their listed sizes. Older
+    checkpoints are not read at all, so the cost does not grow with how many are kept."""
+    d = model_dir(root, model)
+    for cid, name in reversed(_candidates(root, model, naming)):
+        info = inspect(model, d / name, cid, anchor=root)
+        if info.committed:
+            return info
+    return None
 
 
 def find(root: str | os.PathLike[str], model: str, name: str, naming: str = DEFAULT_NAMING) -> CheckpointInfo | None:
-    for c in scan(root, model, naming):
-        if c.name == name:
-            return c
+    """The checkpoint directory `name` (named in scheme `naming`), committed or not; None if absent."""
+    for cid, n in _candidates(root, model, naming):
+        if n == name:
+            return inspect(model, model_dir(root, model) / n, cid, anchor=root)
     return None
 
 

@@ -2,10 +2,21 @@
 
 Pure (no I/O): `parse_marker(bytes)` / `validate(dict)` turn a marker read from disk or from
 Blob into a Manifest, or raise InvalidMarker with a one-line reason. The shared checkpoint tree
-and the archive may hold malformed or hostile markers (a path with NUL or '..', an index
-pointing at a file it does not list, `"created_utc": 5`): each one makes its one checkpoint
-"not committed (invalid marker: why)". Markers written by every earlier release validate.
-The protocol around the marker (write it last, read it, delete it first) is io/commit.py.
+and the archive may hold malformed or hostile markers (a path with NUL or '..', `"created_utc":
+5`): each one makes its one checkpoint "not committed (invalid marker: why)". Markers written by
+every earlier release validate. The protocol around the marker (write it last, read it, delete
+it first) is io/commit.py.
+
+Two formats:
+  tiered-ckpt/2 (written now): the marker holds what proves the checkpoint complete (every file
+    with its size and hash, the save id) and `index_files`: per rank, the file holding that
+    rank's index (where each buffer lives, and the nested structure). Those are the ranks' part
+    manifests, listed in `files` like any data file (so they are sized, hashed, exported,
+    proven and restored with the rest); the marker stays a few hundred bytes per file, whatever
+    the tensor count, so finding the newest checkpoint never parses an index.
+  tiered-ckpt/1 (older releases): the marker embeds every rank's index under `index`.
+`parse_index` validates one rank's index file (the same hostile-input rules the embedded index
+had: safe names, segments inside listed files of that rank, bounds); InvalidIndex says why.
 """
 from __future__ import annotations
 
@@ -14,7 +25,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
+from functools import cached_property
 from typing import Any
+
+import orjson
 
 from tiered_ckpt.io.hashing import ALGORITHM
 from tiered_ckpt.io.layout import SAVE_ID as _SAVE_ID
@@ -23,16 +37,29 @@ from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import CheckpointId, parse_any, scheme
 
 MARKER = "COMMITTED.json"
-FORMAT = "tiered-ckpt/1"
+FORMAT_V1 = "tiered-ckpt/1"     # index embedded in the marker (older releases; still read)
+FORMAT = "tiered-ckpt/2"        # index in per-rank files the marker lists (written now)
 # A marker is small (a few KiB per rank); anything far larger is not one of ours, and reading
-# it whole would let a planted file exhaust memory.
+# it whole would let a planted file exhaust memory. (Format 1 markers embed the index: the
+# bound is theirs.)
 MAX_MARKER_BYTES = 256 << 20
+# One rank's index file: ~200 bytes per buffer, so this bound is ~1.3 million buffers per rank.
+# A listed size above it is refused before anything is read (a planted size must not make a
+# reader allocate without bound).
+MAX_INDEX_BYTES = 256 << 20
 _MAX_INT = 2 ** 63 - 1                 # sizes and offsets: what a file offset (off_t) can hold
 _NAME_MAX = 255                        # bytes per path component (Linux NAME_MAX, Lustre too)
 _PATH_MAX = 4096                       # bytes per path (Linux PATH_MAX)
 _HEX = {ALGORITHM: re.compile(r"[0-9a-f]{32}")}        # xxh3-128: 128 bits, lowercase hex
 _RANK_KEY = re.compile(r"0|[1-9][0-9]*")
 _KEYS = {"epoch", "step", "files", "world_size", "hash_algo", "created_utc", "index", "format", "save_id"}
+_KEYS_V2 = (_KEYS - {"index"}) | {"index_files"}
+# One rank's index file (its part manifest, io/save_commit.write_part): two JSON lines, a small
+# header (what rank 0 needs to commit: which save, which rank, its files) and the body (the
+# index), so committing never parses a rank's whole index. orjson never writes a raw newline
+# (inside strings it is escaped), so the first b"\n" ends the header.
+_PART_HEADER_KEYS = {"save_id", "rank", "world_size", "checkpoint", "files", "replicated"}
+_PART_BODY_KEYS = {"index", "structure"}
 _REQUIRED = {"epoch", "step", "files", "format"}
 _FILE_KEYS = {"path", "size", "hash", "rank"}
 _BUFFER_KEYS = {"kind", "dtype", "shape", "nbytes", "segments"}
@@ -40,6 +67,10 @@ _BUFFER_KEYS = {"kind", "dtype", "shape", "nbytes", "segments"}
 
 class InvalidMarker(ValueError):
     """A marker that is not a valid manifest; str(err) says why (one line)."""
+
+
+class InvalidIndex(InvalidMarker):
+    """A rank's index file that is not valid for its marker; str(err) says why (one line)."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +89,14 @@ class Manifest:
     world_size: int = 1
     hash_algo: str = ALGORITHM
     created_utc: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
-    # Writer-owned description of where each saved buffer lives (name -> file, offset, ...).
+    # Format 1 only: the embedded description of where each saved buffer lives
+    # ({"ranks": {rank: {name: entry}}, "structure": {rank: tree}}). Format 2: empty.
     index: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
     save_id: str | None = None   # which save wrote it (every file name of that save carries it)
+    # Format 2: index_files[r] is the listed file holding rank r's index (parse_index); None when
+    # the checkpoint has no index of the toolkit's own (a DCP checkpoint: DCP's metadata file).
+    index_files: list[str] | None = None
     # The directory naming scheme (tiered_ckpt.naming) the checkpoint is found under: not in the
     # marker's bytes (the directory name says it), not part of equality.
     naming: str = field(default=DEFAULT_NAMING, compare=False, repr=False)
@@ -70,20 +105,38 @@ class Manifest:
     def id(self) -> CheckpointId:
         return CheckpointId(self.epoch, self.step, self.naming)
 
-    @property
+    @cached_property
     def name(self) -> str:
+        # Cached: a load names the checkpoint in per-buffer messages (the fields never change
+        # after construction; dataclasses.replace builds a new object).
         return self.id.name
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @cached_property
+    def by_path(self) -> dict[str, FileEntry]:
+        return {f.path: f for f in self.files}
+
     def to_json(self) -> bytes:
-        d = asdict(self)
-        del d["naming"]
-        if d["save_id"] is None:
-            del d["save_id"]      # byte-compatible with markers of the released version
-        return json.dumps(d, indent=1, sort_keys=True).encode()
+        if self.format == FORMAT_V1:
+            d = asdict(self)
+            for k in ("naming", "index_files"):
+                del d[k]
+            if d["save_id"] is None:
+                del d["save_id"]      # byte-compatible with markers of the released version
+            return json.dumps(d, indent=1, sort_keys=True).encode()
+        # Built by hand, not asdict (which deep-copies); compact (no indent, no key sort).
+        out: dict[str, Any] = {"format": self.format, "epoch": self.epoch, "step": self.step,
+                               "world_size": self.world_size, "hash_algo": self.hash_algo,
+                               "created_utc": self.created_utc}
+        if self.save_id is not None:
+            out["save_id"] = self.save_id
+        out["files"] = [{"path": f.path, "size": f.size, "hash": f.hash, "rank": f.rank} for f in self.files]
+        if self.index_files is not None:
+            out["index_files"] = self.index_files
+        return orjson.dumps(out)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
@@ -177,6 +230,46 @@ def _check_tree(files: list[FileEntry]) -> None:
                 raise InvalidMarker(f"{_show(d)} is listed as a file and as a directory of {_show(f.path)}")
 
 
+def _buffer_ok(e: Any, rank: int, files: Mapping[str, FileEntry]) -> bool:
+    """Whether an index entry is valid, checked without building messages (it runs once per
+    buffer: 100,000 of them in a large state). Accepts only what _check_buffer accepts, and
+    only segments in source order (what the writer records); anything else goes to
+    _check_buffer, which says why it is invalid or accepts it."""
+    if type(e) is not dict or len(e) != 5:
+        return False
+    try:
+        kind, dtype, shape, nbytes, segs = e["kind"], e["dtype"], e["shape"], e["nbytes"], e["segments"]
+    except KeyError:
+        return False
+    if type(kind) is not str or (dtype is not None and type(dtype) is not str) or type(nbytes) is not int \
+            or not 0 <= nbytes <= _MAX_INT:
+        return False
+    if shape is not None:
+        if type(shape) is not list:
+            return False
+        count = 1
+        for n in shape:
+            if type(n) is not int or not 0 <= n <= _MAX_INT:
+                return False
+            count *= n
+        if count > nbytes or (count and nbytes % count) or (not count and nbytes):
+            return False
+    if type(segs) is not list:
+        return False
+    covered = 0
+    for s in segs:
+        if type(s) is not list or len(s) != 4:
+            return False
+        path, off, n, src = s
+        f = files.get(path) if type(path) is str else None
+        if f is None or f.rank != rank or type(off) is not int or type(n) is not int or type(src) is not int:
+            return False
+        if off < 0 or n < 0 or src != covered or off + n > f.size:
+            return False
+        covered += n
+    return covered == nbytes
+
+
 def _check_buffer(e: Any, where: str, rank: int, files: Mapping[str, FileEntry]) -> None:
     if not isinstance(e, dict):
         raise InvalidMarker(f"{where} is {_show(e)}, not a mapping")
@@ -243,8 +336,10 @@ def _check_index(index: Any, files: list[FileEntry], world_size: int) -> None:
             raise InvalidMarker(f"index.ranks has key {_show(rk)}, not a rank 0..{world_size - 1}")
         if not isinstance(bufs, dict):
             raise InvalidMarker(f"index of rank {rk} is {_show(bufs)}, not a mapping")
+        r = int(rk)
         for name, e in bufs.items():
-            _check_buffer(e, f"buffer {_show(name)} of rank {rk}", int(rk), by_path)
+            if not _buffer_ok(e, r, by_path):
+                _check_buffer(e, f"buffer {_show(name)} of rank {rk}", r, by_path)
     # Nested state's tree per rank (io.nested); absent for a flat state (and in older markers).
     trees = index.get("structure", {})
     if not isinstance(trees, dict):
@@ -272,12 +367,14 @@ def _created(v: Any) -> str:
 def validate(d: Any) -> Manifest:
     """A Manifest from a decoded marker, or InvalidMarker saying why it is not one.
 
-    Accepts every marker the released writer produced (all of these hold for it); anything
+    Accepts every marker the released writers produced (all of these hold for them); anything
     else that a reader, a restore or retention could trip over or be misled by is refused.
     """
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise InvalidMarker(f"not a {FORMAT} manifest")
-    missing, extra = _REQUIRED - set(d), set(d) - _KEYS
+    fmt = d.get("format") if isinstance(d, dict) else None
+    if fmt not in (FORMAT, FORMAT_V1):
+        raise InvalidMarker(f"not a {FORMAT} (or {FORMAT_V1}) manifest")
+    assert isinstance(d, dict)
+    missing, extra = _REQUIRED - set(d), set(d) - (_KEYS if fmt == FORMAT_V1 else _KEYS_V2)
     if missing:
         raise InvalidMarker(f"lacks {sorted(missing)}")
     if extra:
@@ -299,10 +396,139 @@ def validate(d: Any) -> Manifest:
         raise InvalidMarker("files is empty (a save always lists at least its part manifest)")
     files = [_file_entry(f, i, hash_re, world_size) for i, f in enumerate(raw_files)]
     _check_tree(files)
-    index = d.get("index", {})
-    _check_index(index, files, world_size)
+    if fmt == FORMAT_V1:
+        index = d.get("index", {})
+        _check_index(index, files, world_size)
+        return Manifest(epoch=epoch, step=step, files=files, world_size=world_size, hash_algo=algo,
+                        created_utc=created, index=index, save_id=sid, format=FORMAT_V1)
+    index_files = _index_files(d.get("index_files"), files, world_size)
     return Manifest(epoch=epoch, step=step, files=files, world_size=world_size, hash_algo=algo,
-                    created_utc=created, index=index, save_id=sid)
+                    created_utc=created, save_id=sid, index_files=index_files)
+
+
+def _index_files(v: Any, files: list[FileEntry], world_size: int) -> list[str] | None:
+    """Format 2's pointer: one listed, hashed file of rank r per rank r (or none at all)."""
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != world_size:
+        raise InvalidMarker(f"index_files is {_show(v)}, not a list of {world_size} file path(s), one per rank")
+    by_path = {f.path: f for f in files}
+    for r, p in enumerate(v):
+        f = by_path.get(p) if isinstance(p, str) else None
+        if f is None:
+            raise InvalidMarker(f"index_files[{r}] is {_show(p)}, which the marker does not list")
+        if f.rank != r:
+            raise InvalidMarker(f"index_files[{r}] is {_show(p)}, a file of rank {f.rank}")
+        if f.hash is None:
+            raise InvalidMarker(f"index_files[{r}] is {_show(p)}, which the marker lists without a hash")
+        if f.size > MAX_INDEX_BYTES:
+            raise InvalidMarker(f"index_files[{r}] is {_show(p)} of {f.size} bytes, more than {MAX_INDEX_BYTES}")
+    return list(v)
+
+
+@dataclass(frozen=True)
+class RankIndex:
+    """One rank's index: buffer name -> entry (in the order saved), and its structure tree
+    (io.nested; None for a flat state)."""
+
+    buffers: dict[str, Any]
+    structure: dict[str, Any] | None
+
+
+def encode_part(header: dict[str, Any], body: dict[str, Any]) -> bytes:
+    """A rank's part manifest / index file: header line, body line (compact, key order kept).
+
+    TypeError when something is not JSON orjson can write (a str with a lone surrogate)."""
+    return orjson.dumps(header) + b"\n" + orjson.dumps(body) + b"\n"
+
+
+def _loads(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        d = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise InvalidIndex(f"{what} does not parse ({e})") from None
+    if not isinstance(d, dict):
+        raise InvalidIndex(f"{what} is {_show(d)}, not a mapping")
+    return d
+
+
+def part_header(data: bytes) -> dict[str, Any]:
+    """The header of a part manifest (not its index); InvalidIndex when it is not one."""
+    head = _loads(data.split(b"\n", 1)[0], "header")
+    extra = set(head) - _PART_HEADER_KEYS
+    if extra:
+        raise InvalidIndex(f"header has unknown keys {_show(sorted(extra))}")
+    return head
+
+
+def part_body(data: bytes) -> dict[str, Any]:
+    """The body (index, structure) of a part manifest; InvalidIndex when it is not one."""
+    _, nl, rest = data.partition(b"\n")
+    if not nl:
+        raise InvalidIndex("has no index (one line, expected a header and an index)")
+    body = _loads(rest, "index")
+    extra = set(body) - _PART_BODY_KEYS
+    if extra:
+        raise InvalidIndex(f"has unknown keys {_show(sorted(extra))}")
+    return body
+
+
+def parse_index(data: bytes, m: Manifest, rank: int) -> RankIndex:
+    """Validate rank `rank`'s index file of the format 2 marker `m` (its bytes already checked
+    against the marker's size and hash); InvalidIndex says why not.
+
+    Rbuf nodes of the structure (buffers of other ranks) are checked by check_structure, once
+    the ranks they name are read too."""
+    head = part_header(data)
+    if head.get("rank") != rank or type(head.get("rank")) is not int:
+        raise InvalidIndex(f"is the index of rank {_show(head.get('rank'))}, not of rank {rank}")
+    if head.get("save_id") != m.save_id:
+        raise InvalidIndex(f"is of save {_show(head.get('save_id'))}, not of save {_show(m.save_id)}")
+    d = part_body(data)
+    bufs = d.get("index")
+    if not isinstance(bufs, dict):
+        raise InvalidIndex(f"index is {_show(bufs)}, not a mapping")
+    files = m.by_path
+    try:
+        for name, e in bufs.items():
+            if not _buffer_ok(e, rank, files):
+                _check_buffer(e, f"buffer {_show(name)}", rank, files)
+    except InvalidMarker as e:
+        raise InvalidIndex(str(e)) from None
+    tree = d.get("structure")
+    if tree is not None and not isinstance(tree, dict):
+        raise InvalidIndex(f"structure is {_show(tree)}, not a mapping")
+    return RankIndex(bufs, tree)
+
+
+class _AnyBuffer:
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+class _AnyRank(dict[str, Any]):
+    """Every other rank holds every buffer: for checking a tree's shape before the ranks its
+    rbuf nodes name are read."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return _AnyBuffer()
+
+    def __bool__(self) -> bool:     # empty, yet not "no ranks given" (check_tree: `ranks or {}`)
+        return True
+
+
+def check_structure(idx: RankIndex, rank: int, ranks: Mapping[str, Mapping[str, Any]] | None) -> None:
+    """Rank `rank`'s structure tree against its own buffers and those of the other ranks it names
+    (`ranks`: rank (str) -> buffers, at least every rank an rbuf node names); InvalidIndex.
+
+    ranks=None: the tree's shape and its own buffers only (then io.nested may walk it to find
+    the ranks it names)."""
+    if idx.structure is None:
+        return
+    try:
+        check_tree(idx.structure, "structure", idx.buffers, rank=rank, ranks=_AnyRank() if ranks is None else ranks)
+    except ValueError as e:
+        raise InvalidIndex(str(e)) from None
 
 
 def parse_marker(data: bytes | str, name: str | None = None) -> Manifest:

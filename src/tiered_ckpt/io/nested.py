@@ -13,6 +13,8 @@ Tree nodes (each a one-key JSON object):
                                   replicated (save(replicated=)), written by that rank only
   {"val": <null|bool|int|float|str>}
   {"float": "nan"|"inf"|"-inf"}   a non-finite float (JSON has none)
+  {"int": "<decimal digits>"}     an int outside the signed 64-bit range (the index is written
+                                  and read with orjson, which holds 64-bit integers only)
 
 What comes back: dict as dict, OrderedDict as OrderedDict (a state dict's `_metadata`
 attribute is not kept; `load_state_dict` works without it), list as list, tuple as tuple (a
@@ -33,6 +35,7 @@ name]} (`to_remote`). Load reads those from the owner's files.
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -41,7 +44,9 @@ from tiered_ckpt.errors import UserError
 
 MAX_DEPTH = 64               # deeper trees are not state dicts; a bound keeps recursion safe
 _SCALARS = (type(None), bool, int, float, str)
-_NODE_KINDS = {"dict", "odict", "list", "tuple", "buf", "rbuf", "val", "float"}
+_NODE_KINDS = {"dict", "odict", "list", "tuple", "buf", "rbuf", "val", "float", "int"}
+_INT64 = range(-(2 ** 63), 2 ** 63)
+_BIG_INT = re.compile(r"-?[1-9][0-9]{0,4300}")   # 4300: Python's default int-to-str digit limit
 # A loaded buffer's key: its name in this rank's index, or (owner rank, name) for an rbuf node.
 BufferKey = str | tuple[int, str]
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -94,6 +99,9 @@ def flatten_state(state: Any, tree: bool = False) -> tuple[Mapping[str, Any], di
                         if type(k) is bool or not isinstance(k, (str, int)):
                             raise UserError(f"state key {k!r} ({type(k).__name__}) at {_path(parts + [str(k)])}: "
                                             "keys must be str or int; convert it (e.g. str(key))")
+                        if not isinstance(k, str) and int(k) not in _INT64:
+                            raise UserError(f"state key {k} at {_path(parts)} is outside the signed 64-bit range; "
+                                            "use a smaller int or a str key")
                         items.append([k if isinstance(k, str) else int(k), walk(sub, parts + [str(k)])])
                     return {"odict" if isinstance(v, OrderedDict) else "dict": items}
                 kind = "tuple" if isinstance(v, tuple) else "list"
@@ -106,6 +114,8 @@ def flatten_state(state: Any, tree: bool = False) -> tuple[Mapping[str, Any], di
             # subclasses (an IntEnum, a numpy bool is not one) are stored as their plain value
             if type(v) not in _SCALARS:
                 v = str.__str__(v) if isinstance(v, str) else int(v) if isinstance(v, int) else float(v)  # type: ignore[arg-type]
+            if type(v) is int and v not in _INT64:
+                return {"int": str(v)}
             return {"val": v}
         name = name_for(parts)
         flat[name] = v            # a buffer: sources.to_source checks it and names the path in errors
@@ -192,6 +202,8 @@ def unflatten(tree: dict[str, Any], buffers: Mapping[BufferKey, Any]) -> Any:
         return body
     if kind == "float":
         return _NONFINITE[body]
+    if kind == "int":
+        return int(body)
     if kind in ("dict", "odict"):
         d = OrderedDict() if kind == "odict" else {}
         for k, sub in body:
@@ -266,6 +278,9 @@ def check_tree(tree: Any, where: str, names: Mapping[str, Any], depth: int = 0, 
     elif kind == "float":
         if body not in _NONFINITE:
             raise ValueError(f"{where} has a float {str(body)[:80]!r}, not one of {sorted(_NONFINITE)}")
+    elif kind == "int":
+        if not (isinstance(body, str) and _BIG_INT.fullmatch(body)):
+            raise ValueError(f"{where} has an int {str(body)[:80]!r}, not a string of decimal digits")
     elif kind in ("dict", "odict"):
         if not isinstance(body, list):
             raise ValueError(f"{where} has a {kind} that is not a list of [key, node]")

@@ -174,6 +174,14 @@ def verify(ckpt_dir: Path, *, check_hash: bool = False, threads: int = 8, block_
     rep.committed = True
     rep.bytes, rep.files = m.total_bytes, len(m.files)
     rep.problems += mf.size_problems(ckpt_dir, m, anchor=anchor)
+    if not rep.problems and m.index_files is not None:
+        # Format 2: the ranks' indexes are outside the marker; each is checked where it is read
+        # (a load), and here for every rank, so verify says whether every rank can load.
+        for r in range(m.world_size):
+            try:
+                _indexes(ckpt_dir, m, r)
+            except UserError as e:
+                rep.problems.append(str(e))
     if check_hash and not rep.problems:
         unhashed = [f.path for f in m.files if not f.hash]
         if unhashed:
@@ -183,26 +191,95 @@ def verify(ckpt_dir: Path, *, check_hash: bool = False, threads: int = 8, block_
     return rep
 
 
-def rank_index(m: mf.Manifest, rank: int) -> dict[str, Any]:
-    ranks = m.index.get("ranks", {})
-    if str(rank) not in ranks:
-        raise UserError(f"checkpoint {m.name} has no data of rank {rank} (saved by {m.world_size} rank(s)); pass rank= 0..{m.world_size - 1}")
-    idx: dict[str, Any] = ranks[str(rank)]
-    return idx
+def _no_rank(m: mf.Manifest, rank: int) -> UserError:
+    return UserError(f"checkpoint {m.name} has no data of rank {rank} (saved by {m.world_size} rank(s)); "
+                     f"pass rank= 0..{m.world_size - 1}")
+
+
+def read_index(ckpt_dir: Path, m: mf.Manifest, rank: int) -> mf.RankIndex:
+    """Rank `rank`'s index: from its index file (format 2: read below `ckpt_dir`, no symlink
+    followed, checked against the marker's size and hash, then validated), or from the marker
+    itself (format 1). IntegrityError "not committed (invalid index ...: why)" when the file
+    is missing, damaged or invalid; never a traceback, never an index that is not the saved one."""
+    if not 0 <= rank < m.world_size:
+        raise _no_rank(m, rank)
+    if m.index_files is None:
+        ranks = m.index.get("ranks", {})
+        if str(rank) not in ranks:
+            raise _no_rank(m, rank)
+        return mf.RankIndex(ranks[str(rank)], m.index.get("structure", {}).get(str(rank)))
+    rel = m.index_files[rank]
+    entry = m.by_path[rel]                 # the marker's schema: a listed, hashed file of that rank
+    path = ckpt_dir / rel
+
+    def bad(why: str) -> IntegrityError:
+        return IntegrityError(f"{ckpt_dir} is not committed (invalid index {rel}: {why}); "
+                              "load another checkpoint (tiered-ckpt list shows them)")
+
+    try:
+        fd = fsafe.open_file(path, anchor=ckpt_dir)
+    except FileNotFoundError:
+        raise bad("missing") from None
+    except fsafe.UnsafePath as e:
+        raise bad(f"{e.strerror}") from None
+    except OSError as e:
+        raise bad(f"cannot be read ({e.strerror or e})") from None
+    try:
+        try:
+            data = fsafe.read_fd(fd, entry.size, path)     # never more than the marker says
+        except fsafe.UnsafePath:
+            raise bad(f"larger than the {entry.size} bytes the marker lists") from None
+        except OSError as e:
+            raise bad(f"cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(data) != entry.size:
+        raise bad(f"{len(data)} bytes, the marker lists {entry.size}")
+    h = new_hasher()
+    h.update(data)
+    if h.hexdigest() != entry.hash:
+        raise bad("content hash differs from the marker (corrupted or changed after commit)")
+    try:
+        return mf.parse_index(data, m, rank)
+    except mf.InvalidIndex as e:
+        raise bad(str(e)) from None
+
+
+def _indexes(ckpt_dir: Path, m: mf.Manifest, rank: int) -> tuple[mf.RankIndex, dict[str, dict[str, Any]]]:
+    """Rank `rank`'s index, and the buffers of every rank it needs (itself and the owners its
+    rbuf nodes name: entries saved replicated), the structure checked against them."""
+    own = read_index(ckpt_dir, m, rank)
+    ranks: dict[str, dict[str, Any]] = {str(rank): own.buffers}
+    if own.structure is None:
+        return own, ranks
+    if m.index_files is None:              # format 1: the marker's schema checked it all
+        ranks.update(m.index.get("ranks", {}))
+        return own, ranks
+    try:
+        mf.check_structure(own, rank, None)       # its shape first: then it can be walked
+        for owner in sorted({o for o, _ in nested.remote_refs(own.structure)}):
+            if str(owner) not in ranks and 0 <= owner < m.world_size:
+                ranks[str(owner)] = read_index(ckpt_dir, m, owner).buffers
+        mf.check_structure(own, rank, ranks)
+    except mf.InvalidIndex as e:
+        raise IntegrityError(f"{ckpt_dir} is not committed (invalid index {m.index_files[rank]}: {e}); "
+                             "load another checkpoint (tiered-ckpt list shows them)") from None
+    return own, ranks
 
 
 def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | None = None, check_hash: bool = False,
          threads: int = 8, block_size: int = 16 << 20, direct: bool = True,
          progress: Callable[[int], None] | None = None) -> dict[Any, Any]:
-    """The rank's saved state: a flat dict of buffers, or the nested state as it was saved.
+    """The rank's saved state: a flat dict of buffers, or the nested state as it was saved
+    (keys in the order saved).
 
     Entries saved as replicated (another rank wrote them: rbuf nodes) are read from that rank's files."""
     m = ckpt.manifest
     if m is None:
         why = ckpt.why_not_committed or f"not committed (no valid {mf.MARKER})"
         raise IntegrityError(f"{ckpt.path} is {why}; load a committed checkpoint (tiered-ckpt list)")
-    idx = rank_index(m, rank)
-    tree = m.index.get("structure", {}).get(str(rank))
+    own, ranks = _indexes(ckpt.path, m, rank)
+    idx, tree = own.buffers, own.structure
     if tree is None:
         unknown = sorted(set(into or {}) - set(idx))
         if unknown:
@@ -211,8 +288,8 @@ def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | No
         return _load_entries(ckpt, m, flat, rank, into or {}, check_hash, threads, block_size, direct, progress)
     dests = nested.destinations(tree, into, f"checkpoint {m.name}") if into else {}
     entries: dict[nested.BufferKey, Any] = {k: v for k, v in idx.items()}
-    for owner, name in nested.remote_refs(tree):    # the marker's schema checked that they exist
-        entries[(owner, name)] = m.index["ranks"][str(owner)][name]
+    for owner, name in nested.remote_refs(tree):    # checked above: they exist
+        entries[(owner, name)] = ranks[str(owner)][name]
     buffers = _load_entries(ckpt, m, entries, rank, dests, check_hash, threads, block_size, direct, progress)
     out = nested.unflatten(tree, buffers)
     assert isinstance(out, dict)    # the top of a saved state is a mapping (api refuses anything else)

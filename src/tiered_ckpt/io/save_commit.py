@@ -2,7 +2,9 @@
 
 Commit, following commit.py: each rank writes its part manifest (a file under its final
 name, listed in the marker like any file, so AMLFS exports it too); after every rank is done
-rank 0 writes COMMITTED.json naming every rank's files. No renames anywhere.
+rank 0 writes COMMITTED.json naming every rank's files. No renames anywhere. The part manifest
+is also the rank's index (where each buffer lives, the nested structure): the marker points at
+it (io/marker.py, format 2) instead of embedding a copy, so rank 0 never re-serializes it.
 
 Without torch.distributed ("file mode") the ranks meet here, in the directory: rank 0 waits for
 every rank's part manifest (or its failure note), the others wait for the marker (or rank 0's
@@ -52,21 +54,23 @@ def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size:
 
     replicated: buffer name -> {"digest", "kind", "dtype", "shape", "nbytes"} of every buffer the
     save declared replicated (written or not by this rank): rank 0 compares them at commit."""
-    index: dict[str, Any] = {}
-    by_source: dict[int, list[list[Any]]] = {}
+    segs_of: list[list[list[Any]]] = [[] for _ in sources]
     for fp in files:
+        path = fp.path
         for seg in fp.segments:
-            by_source.setdefault(seg.source, []).append([fp.path, seg.file_offset, seg.nbytes, seg.src_offset])
-    for si, s in enumerate(sources):
-        index[s.name] = {"kind": s.kind, "dtype": s.dtype, "shape": s.shape, "nbytes": s.nbytes,
-                         "segments": by_source.get(si, [])}
-    part = {"save_id": save_id, "rank": rank, "world_size": world_size,
-            "checkpoint": cid.name, "files": [e.__dict__ for e in entries], "index": index}
-    if structure is not None:      # nested state (io.nested); a flat one's part is unchanged
-        part["structure"] = structure
+            segs_of[seg.source].append([path, seg.file_offset, seg.nbytes, seg.src_offset])
+    # In the order saved (a dict keeps insertion order; orjson writes it as is): load returns it.
+    index = {s.name: {"kind": s.kind, "dtype": s.dtype, "shape": s.shape, "nbytes": s.nbytes, "segments": sg}
+             for s, sg in zip(sources, segs_of, strict=True)}
+    header: dict[str, Any] = {"save_id": save_id, "rank": rank, "world_size": world_size, "checkpoint": cid.name,
+                              "files": [{"path": e.path, "size": e.size, "hash": e.hash, "rank": e.rank}
+                                        for e in entries]}
     if replicated:
-        part["replicated"] = replicated
-    write_small(dfd, PART.format(rank=rank, sid=save_id), json.dumps(part, sort_keys=True).encode())
+        header["replicated"] = replicated
+    body: dict[str, Any] = {"index": index}
+    if structure is not None:      # nested state (io.nested)
+        body["structure"] = structure
+    write_small(dfd, PART.format(rank=rank, sid=save_id), mf.encode_part(header, body))
     os.fsync(dfd)
 
 
@@ -137,6 +141,23 @@ def _noted_error(note: dict[str, Any], message: str, tail: str) -> UserError:
     return cls(message if "not committed" in message else message + tail, exit_code=code)
 
 
+def _header(data: bytes | None) -> dict[str, Any]:
+    """A part manifest's header (not its index: committing never parses one); {} if not one.
+
+    Also {} for a part still being written (file mode: its name is final from the start): a
+    whole part ends with the newline after its index line, and no line holds a raw newline."""
+    if data is None or not data.endswith(b"\n") or data.find(b"\n") == len(data) - 1:
+        return {}
+    try:
+        return mf.part_header(data)
+    except mf.InvalidIndex:
+        return {}
+
+
+def _header_at(dfd: int, name: str) -> dict[str, Any]:
+    return _header(read_small(dfd, name))
+
+
 # -- file mode waits ------------------------------------------------------------------------
 def wait_for_parts(dfd: int, cid: CheckpointId, save_id: str, world_size: int, barrier_timeout: float) -> None:
     """Rank 0 without torch: until every other rank's part of this save is there (or one failed)."""
@@ -148,8 +169,7 @@ def wait_for_parts(dfd: int, cid: CheckpointId, save_id: str, world_size: int, b
             if failed is not None and failed.get("save_id") == save_id:
                 raise _noted_error(failed, f"rank {r} failed while writing {cid.name}: {failed.get('error')}",
                                    "; nothing was committed")
-            part = json_at(dfd, PART.format(rank=r, sid=save_id))
-            if part is not None and part.get("save_id") == save_id:
+            if _header_at(dfd, PART.format(rank=r, sid=save_id)).get("save_id") == save_id:
                 missing.discard(r)
         if missing and time.monotonic() > deadline:
             raise UserError(
@@ -213,34 +233,35 @@ def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: 
     Raises IntegrityError when any of it fails: nothing is committed.
     """
     parts: list[dict[str, Any]] = []
+    datas: list[bytes] = []
     files: list[mf.FileEntry] = []
     for r in range(world_size):
         name = PART.format(rank=r, sid=save_id)
         data = read_small(dfd, name)
-        part: Any = None
-        if data is not None:
-            try:
-                part = json.loads(data)
-            except ValueError:
-                part = None
+        part = _header(data)
         # Only this save's own parts: the id is in the name and inside, and must match both.
-        if (not isinstance(part, dict) or part.get("save_id") != save_id or part.get("rank") != r
-                or part.get("checkpoint") != cid.name):
+        if part.get("save_id") != save_id or part.get("rank") != r or part.get("checkpoint") != cid.name:
             raise IntegrityError(f"part manifest of rank {r} ({ckpt_dir / name}) is missing or not of this save; "
                                  "nothing was committed")
         assert data is not None
         parts.append(part)
+        datas.append(data)
         files += [mf.FileEntry(**f) for f in part["files"]]
         h = new_hasher()
         h.update(data)
-        files.append(mf.FileEntry(name, len(data), h.hexdigest(), r))   # the bytes just parsed, hashed
+        # The bytes just parsed, hashed: a reader checks its index file against this before use.
+        files.append(mf.FileEntry(name, len(data), h.hexdigest(), r))
+    if any("replicated" in p for p in parts):
+        # Only a save with replicated= needs the ranks' indexes here (which rank wrote what).
+        for p, data in zip(parts, datas, strict=True):
+            try:
+                p.update(mf.part_body(data))
+            except mf.InvalidIndex as e:
+                raise IntegrityError(f"part manifest of rank {p['rank']} of {cid.name} is damaged ({e}); "
+                                     "nothing was committed") from None
     check_replicated(parts, cid)
-    index: dict[str, Any] = {"save_id": save_id, "ranks": {str(r): p["index"] for r, p in enumerate(parts)}}
-    structures = {str(r): p["structure"] for r, p in enumerate(parts) if "structure" in p}
-    if structures:                 # only for nested state: a flat save's marker is unchanged
-        index["structure"] = structures
-    m = mf.Manifest(epoch=cid.epoch, step=cid.step, files=files, world_size=world_size,
-                    index=index, save_id=save_id, naming=cid.naming)
+    m = mf.Manifest(epoch=cid.epoch, step=cid.step, files=files, world_size=world_size, save_id=save_id,
+                    naming=cid.naming, index_files=[PART.format(rank=r, sid=save_id) for r in range(world_size)])
     listed = {f.path for f in files}
     removed = False
     with os.scandir(dfd) as it:
