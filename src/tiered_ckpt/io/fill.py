@@ -110,10 +110,15 @@ def _open(f: _File, direct: bool, anchor: Path) -> None:
     f.dfd = dfd
 
 
+def small_limit(block: int) -> int:
+    """Pieces below this size are coalesced; a group's span (from the 4 KiB unit its first piece
+    starts in) then always fits one block."""
+    return min(SMALL, block - ALIGN)
+
+
 def _plan(f: _File, block: int) -> list[_Req]:
     """The read requests of one file's pieces (sorted by file offset)."""
-    # A group's span (from the 4 KiB unit its first piece starts in) always fits one block.
-    small = min(SMALL, block - ALIGN)
+    small = small_limit(block)
     reqs: list[_Req] = []
     group: list[tuple[int, int, int]] = []
     g_start = g_end = 0

@@ -207,7 +207,7 @@ def _load_entries(ckpt: mf.CheckpointInfo, m: mf.Manifest, entries: Mapping[nest
                 raise IntegrityError(f"load into {name!r}: buffer has {view.nbytes} bytes, checkpoint {m.name} holds {entry['nbytes']}")
             out[key] = into[key]
         else:
-            out[key], view = _allocate(m.name, name, entry, _residue(entry))
+            out[key], view = _allocate(m.name, name, entry, _residue(entry, block_size))
         for path, file_off, n, src_off in entry["segments"]:
             pieces.setdefault(path, []).append((file_off, n, view[src_off:src_off + n]))
     problems = mf.size_problems(ckpt.path, m, anchor=ckpt.path)
@@ -221,11 +221,11 @@ def _load_entries(ckpt: mf.CheckpointInfo, m: mf.Manifest, entries: Mapping[nest
     return out
 
 
-def _residue(entry: Mapping[str, Any]) -> int | None:
+def _residue(entry: Mapping[str, Any], block_size: int) -> int | None:
     """Where in its 4 KiB page a new buffer should start so that its bytes line up with the file's
     pages (O_DIRECT straight into it); None for buffers small enough to be copied out of a block."""
     segs = entry.get("segments") or []
-    if entry["nbytes"] < fill.SMALL or not segs:
+    if entry["nbytes"] < fill.small_limit(block_size) or not segs:
         return None
     _, file_off, _, src_off = segs[0]
     return int(file_off - src_off) % ALIGN
