@@ -195,12 +195,12 @@ def measure_rw(tmp: Path, fixture: str = "transformer", scale: float = 1.0, roun
             rd["load"] = ld["bytes"] / ld["seconds"] / 1e9
             if not ours_first:
                 rd["fio_read"], rd["fio_read_wall"] = fio("read")
-            for f in (work / "fio").iterdir():
-                f.unlink()
+            for leftover in (work / "fio").iterdir():
+                leftover.unlink()
             shutil.rmtree(work / "ckpt" / MODEL, ignore_errors=True)
-            for w, f in (("save", "write"), ("load", "read")):
-                rd[f"{w}_vs_fio"] = rd[w] / rd[f"fio_{f}"]
-                rd[f"{w}_vs_fio_wall"] = rd[w] / rd[f"fio_{f}_wall"]
+            for w, rw in (("save", "write"), ("load", "read")):
+                rd[f"{w}_vs_fio"] = rd[w] / rd[f"fio_{rw}"]
+                rd[f"{w}_vs_fio_wall"] = rd[w] / rd[f"fio_{rw}_wall"]
             per.append(rd)
     finally:
         shutil.rmtree(work, ignore_errors=True)
