@@ -214,3 +214,21 @@ def test_plan_splits_large_pieces_and_keeps_head_and_tail_off_o_direct(tmp_path:
     assert all(d[2] <= BLOCK and d[1] % 4096 == 0 and d[2] % 4096 == 0 for d in directs)
     assert len(directs) == 4 and kinds[-1] == ("buffered", size // 4096 * 4096, size % 4096)
     assert sum(k[2] for k in kinds) == size
+
+
+def test_overlapping_and_gapped_pieces_each_get_their_bytes(tmp_path: Path) -> None:
+    """DCP may ask for one saved item twice (resharding) and skips what it does not want."""
+    from tiered_ckpt.io.pools import BlockPool
+
+    size = 5 * BLOCK + 123
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    spans = [(0, 100), (10, 20), (50, 100), (200_000, 70_000), (4096 * 3, 3 * BLOCK), (4096 * 3 + 5, BLOCK),
+             (size - 1000, 1000), (size - 300_000, 300_000)]
+    bufs = [bytearray(n) for _, n in spans]
+    pieces = {"f": [(off, n, memoryview(b)) for (off, n), b in zip(spans, bufs, strict=True)]}
+    probs = fill.fill(tmp_path, [mf.FileEntry("f", size, None)], pieces, pool=BlockPool(3 * BLOCK, BLOCK), threads=3,
+                      direct=True, check_hash=False, stream=lambda e, v: "streamed", progress=None)
+    assert probs == []
+    for (off, n), b in zip(spans, bufs, strict=True):
+        assert bytes(b) == data[off:off + n], (off, n)

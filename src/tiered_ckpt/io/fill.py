@@ -136,9 +136,9 @@ def _plan(f: _File, block: int) -> list[_Req]:
             if group and (off - g_end > GAP or off + n - (g_start - g_start % ALIGN) > block):
                 close_group()
             if not group:
-                g_start = off
+                g_start = g_end = off
             group.append((off, n, address(dest)))
-            g_end = off + n
+            g_end = max(g_end, off + n)     # pieces may overlap (DCP may read one saved item twice)
             continue
         close_group()
         end = off + n
@@ -212,8 +212,11 @@ def _finish(f: _File) -> None:
 
 
 def fill(ckpt_dir: Path, entries: list[FileEntry], pieces: Mapping[str, Pieces], *, pool: BlockPool, threads: int,
-         direct: bool, check_hash: bool, stream: Stream, progress: Callable[[int], None] | None) -> list[str]:
+         direct: bool, check_hash: bool, stream: Stream, progress: Callable[[int], None] | None,
+         anchor: Path | None = None) -> list[str]:
     """Read every entry (into its pieces, or through `stream`); the problems found, one per file.
+
+    Files are opened through fsafe below `anchor` (default: `ckpt_dir`), no symlink followed.
 
     Each reader thread holds one block of `pool` (>= `threads` blocks); `stream(entry, view)` reads
     a file sequentially through that block (verify, or hashing a file its pieces do not cover)."""
@@ -231,7 +234,7 @@ def fill(ckpt_dir: Path, entries: list[FileEntry], pieces: Mapping[str, Pieces],
     try:
         for f in files:
             try:
-                _open(f, direct, ckpt_dir)
+                _open(f, direct, anchor or ckpt_dir)
                 reqs = _plan(f, pool.block_size)
             except fsafe.UnsafePath as err:
                 problems.append(f"{f.path}: {err.strerror}")

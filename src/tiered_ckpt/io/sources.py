@@ -112,8 +112,9 @@ def to_source(name: str, obj: Any) -> Source:
                           list(obj.shape), None, None, obj, signature(obj), t.reshape(-1).view(torch.uint8))
         flat = t.reshape(-1).view(torch.uint8).numpy()
         mv = memoryview(flat)
+        addr = int(obj.data_ptr())     # = signature(obj), without its type checks (per-tensor cost)
         return Source(name, mv.nbytes, "torch", str(obj.dtype).removeprefix("torch."), list(obj.shape), mv,
-                      int(flat.__array_interface__["data"][0]), obj, signature(obj))
+                      addr, obj, (mv.nbytes, addr))
     if _is_numpy(obj):
         if obj.dtype.hasobject:
             raise UserError(f"array {name!r} holds Python objects (dtype {obj.dtype}); only plain numeric arrays can be saved")
