@@ -232,3 +232,19 @@ def test_overlapping_and_gapped_pieces_each_get_their_bytes(tmp_path: Path) -> N
     assert probs == []
     for (off, n), b in zip(spans, bufs, strict=True):
         assert bytes(b) == data[off:off + n], (off, n)
+
+
+def test_an_unexpected_error_in_a_reader_thread_fails_the_load_instead_of_leaving_memory_unfilled(
+        cfg: NodeConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    tc.save(_state(), epoch=0, step=1, config=cfg)
+    real, calls = fill._do, []
+
+    def flaky(r: Any, *a: Any) -> None:
+        calls.append(r)
+        if len(calls) == 3:
+            raise ValueError("boom")
+        real(r, *a)
+
+    monkeypatch.setattr(fill, "_do", flaky)
+    with pytest.raises(IntegrityError, match="reading failed \\(ValueError: boom\\)"):
+        tc.load(config=cfg)

@@ -275,13 +275,18 @@ def fill(ckpt_dir: Path, entries: list[FileEntry], pieces: Mapping[str, Pieces],
                         _fail(f, str(err))
                     except OSError as err:
                         _fail(f, f"{f.path}: cannot read ({err.strerror or err})")
+                    except Exception as err:  # noqa: BLE001 - a thread that died silently would leave memory unfilled
+                        _fail(f, f"{f.path}: reading failed ({type(err).__name__}: {err})")
                     if progress is not None:
                         progress(item.n if item.kind != "group" else sum(g[1] for g in item.group))
                     with f.lock:
                         f.left -= 1
                         last = f.left == 0
                     if last:
-                        _finish(f)
+                        try:
+                            _finish(f)
+                        except Exception as err:  # noqa: BLE001 - as above
+                            _fail(f, f"{f.path}: hashing failed ({type(err).__name__}: {err})")
             finally:
                 pool.release(idx)
 
@@ -292,6 +297,8 @@ def fill(ckpt_dir: Path, entries: list[FileEntry], pieces: Mapping[str, Pieces],
                 msg = f"{ckpt_dir / e.path}: {err.strerror}"
             except OSError as err:
                 msg = f"{ckpt_dir / e.path}: cannot read ({err.strerror or err})"
+            except Exception as err:  # noqa: BLE001 - as above
+                msg = f"{ckpt_dir / e.path}: reading failed ({type(err).__name__}: {err})"
             if msg:
                 with lock:
                     problems.append(msg)
