@@ -71,7 +71,8 @@ from tiered_ckpt import dcp_stage
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe, lock, pools
+from tiered_ckpt.io import fill, fsafe, lock, pools
+from tiered_ckpt.io.fill import Pieces
 from tiered_ckpt.io.hashing import hash_path, new_hasher
 from tiered_ckpt.io.layout import SHARD, FilePlan, Segment, new_save_id
 from tiered_ckpt.io.options import IoOptions, WriteOptions
@@ -468,6 +469,7 @@ class TieredReader(StorageReader):
         self.naming = config.naming if config is not None else DEFAULT_NAMING
         self.cid = _cid(name, epoch, step, self.naming)
         self.verify_hash = verify_hash
+        self.io = config.io if config is not None else IoConfig()    # reader threads, block size, O_DIRECT
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         self.manifest = self._check()
 
@@ -548,44 +550,33 @@ class TieredReader(StorageReader):
                                      "restore the checkpoint from the archive (tiered-ckpt restore)")
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Per file, the requested byte ranges in file order, adjacent ones coalesced into one
-        preadv of up to _IOV_MAX buffers; a whole saved tensor lands straight in the destination
-        tensor when its dtype, shape and layout allow (no intermediate buffer, no copy)."""
+        """Every requested byte range read by several threads straight into its destination
+        (io/fill.py: O_DIRECT where the file's pages and the memory line up, small items coalesced);
+        a whole saved tensor lands in the destination tensor when its dtype, shape and layout allow
+        (no intermediate buffer, no copy), then every item is handed to the planner."""
         sizes = {f.path: f.size for f in self.manifest.files}
-        per_file: dict[str, list[tuple[Any, _Stored]]] = {}
+        pieces: dict[str, Pieces] = {}
+        items: list[tuple[Any, _Stored, Any, memoryview]] = []
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if not isinstance(info, _Stored):
                 raise IntegrityError(f"{self.path}: DCP metadata has no valid location for {req.storage_index.fqn!r}; "
                                      "restore the checkpoint from the archive (tiered-ckpt restore)")
             _check_stored(self.path, info, sizes)
-            per_file.setdefault(info.relative_path, []).append((req, info))
-        for rel, reqs in per_file.items():
-            p = self.path / rel
-            fd = fsafe.open_file(p, anchor=self.root)
-            try:
-                reqs.sort(key=lambda r: r[1].offset)
-                run: list[tuple[Any, _Stored, Any, memoryview]] = []
-                for req, info in reqs:
-                    dest, view = _destination(req, info, planner)
-                    if run and (run[-1][1].offset + run[-1][1].length != info.offset or len(run) >= _IOV_MAX):
-                        self._read_run(fd, p, run, planner)
-                        run = []
-                    run.append((req, info, dest, view))
-                if run:
-                    self._read_run(fd, p, run, planner)
-            finally:
-                os.close(fd)
+            dest, view = _destination(req, info, planner)
+            pieces.setdefault(info.relative_path, []).append((info.offset, info.length, view))
+            items.append((req, info, dest, view))
+        files = [f for f in self.manifest.files if f.path in pieces]
+        bufs = pools.pool("read", self.io.threads * self.io.block_size, self.io.block_size)
 
-    def _read_run(self, fd: int, p: Path, run: list[tuple[Any, _Stored, Any, memoryview]], planner: LoadPlanner) -> None:
-        start = run[0][1].offset
-        views = [v for _, _, _, v in run if len(v)]
-        want = sum(len(v) for v in views)
-        got = _preadv_all(fd, views, start)
-        if got != want:
-            raise IntegrityError(f"{p}: short read at byte {start + got} (expected {want} bytes from {start}); "
-                                 "restore the checkpoint from the archive")
-        for req, info, dest, view in run:
+        def stream(e: mf.FileEntry, view: memoryview) -> str | None:   # every file here has pieces
+            return f"{self.path / e.path}: nothing to read"
+
+        problems = fill.fill(self.path, files, pieces, pool=bufs, threads=self.io.threads, direct=self.io.direct,
+                             check_hash=False, stream=stream, progress=None, anchor=self.root)
+        if problems:
+            raise IntegrityError("; ".join(problems) + "; restore the checkpoint from the archive (tiered-ckpt restore)")
+        for req, info, dest, view in items:
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(view.tobytes()))
                 continue
@@ -598,8 +589,8 @@ class TieredReader(StorageReader):
             t = narrow_tensor_by_index(t.reshape(info.shape), req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != t.size():
-                raise IntegrityError(f"{p}: item {req.storage_index.fqn} has shape {tuple(t.size())}, the "
-                                     f"state to load expects {tuple(target.size())}")
+                raise IntegrityError(f"{self.path / info.relative_path}: item {req.storage_index.fqn} has shape "
+                                     f"{tuple(t.size())}, the state to load expects {tuple(target.size())}")
             target.copy_(t)
             planner.commit_tensor(req, target)
 
@@ -615,27 +606,6 @@ def _destination(req: Any, info: _Stored, planner: LoadPlanner) -> tuple[Any, me
                 and str(target.dtype).removeprefix("torch.") == info.dtype):
             return target, memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     return None, memoryview(bytearray(info.length))
-
-
-# Buffers per preadv (the kernel's IOV_MAX on Linux is 1024).
-_IOV_MAX = 1024
-# One read(2) transfers at most 0x7ffff000 bytes on Linux (read(2) NOTES): loop over the rest.
-
-
-def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fill `views` from `offset` on; the bytes read (fewer only at the end of the file)."""
-    done, i = 0, 0
-    while i < len(views):
-        n = os.preadv(fd, views[i:i + _IOV_MAX], offset + done)
-        if n <= 0:
-            break
-        done += n
-        while i < len(views) and n >= len(views[i]):
-            n -= len(views[i])
-            i += 1
-        if n:
-            views[i] = views[i][n:]
-    return done
 
 
 def _check_stored(path: Path, info: _Stored, sizes: dict[str, int]) -> None:

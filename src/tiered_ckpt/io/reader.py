@@ -1,7 +1,9 @@
 """Reading committed checkpoints back: verify (sizes always, hashes on request) and load.
 
-Files are read in parallel, one file per thread, in block-sized O_DIRECT requests into a
-page-aligned block, hashed inline when asked, and copied into the destination buffers.
+A load reads with several threads per file straight into the destination buffers (io/fill.py:
+O_DIRECT where offsets and addresses line up, new buffers allocated so that they do; small
+buffers coalesced into one read); verify streams each file through a page-aligned block,
+hashing it inline.
 
 Every file is opened through fsafe below the checkpoint directory: a data file that is a
 symlink (to anything, inside the tree or out of it), a FIFO or a device is refused, never read.
@@ -10,8 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import queue
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +19,11 @@ from typing import Any
 
 from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe, nested
+from tiered_ckpt.io import fill, fsafe, nested
+from tiered_ckpt.io.fill import Pieces
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.pools import ALIGN, pool
 from tiered_ckpt.io.sources import allocate, writable_view
-
-# (file offset, nbytes, destination view) pieces of one file
-Pieces = list[tuple[int, int, memoryview]]
 
 
 @dataclass
@@ -60,44 +58,21 @@ def open_read(path: Path, direct: bool, anchor: Path | None = None) -> tuple[int
 def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8, block_size: int = 16 << 20,
                direct: bool = True, check_hash: bool = False, pieces: Mapping[str, Pieces] | None = None,
                progress: Callable[[int], None] | None = None) -> list[str]:
-    """Read every file (optionally into destination pieces); the list of problems found."""
-    nthreads = max(1, min(threads, len(entries)))
+    """Read every file (optionally into destination pieces); the list of problems found.
+
+    Files with pieces are read by several threads at once, straight into the pieces' memory
+    (io/fill.py); a file without pieces (verify), or one to hash that its pieces do not cover,
+    is streamed through a block by one thread (`_read_one`)."""
     # Sized by the configured thread count, not this checkpoint's file count: pools are cached
     # per size, so one pool serves every load instead of one pre-faulted pool per file count.
     bufs = pool("read", max(1, threads) * block_size, block_size)
-    work: queue.Queue[mf.FileEntry] = queue.Queue()
-    for e in entries:
-        work.put(e)
-    problems: list[str] = []
-    lock = threading.Lock()
+    wanted = pieces or {}
 
-    def run() -> None:
-        idx = bufs.acquire()
-        try:
-            view = bufs.view(idx)
-            while True:
-                try:
-                    e = work.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    msg = _read_one(ckpt_dir, e, view, direct, check_hash, (pieces or {}).get(e.path, []), progress)
-                except fsafe.UnsafePath as err:
-                    msg = f"{ckpt_dir / e.path}: {err.strerror}"
-                except OSError as err:
-                    msg = f"{ckpt_dir / e.path}: cannot read ({err.strerror or err})"
-                if msg:
-                    with lock:
-                        problems.append(msg)
-        finally:
-            bufs.release(idx)
+    def stream(e: mf.FileEntry, view: memoryview) -> str | None:
+        return _read_one(ckpt_dir, e, view, direct, check_hash, wanted.get(e.path, []), progress)
 
-    ts = [threading.Thread(target=run, name=f"ckpt-reader-{i}", daemon=True) for i in range(nthreads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return sorted(problems)
+    return fill.fill(ckpt_dir, entries, wanted, pool=bufs, threads=max(1, threads), direct=direct,
+                     check_hash=check_hash, stream=stream, progress=progress)
 
 
 def _spans(size: int, pieces: Pieces, whole: bool, block: int) -> list[tuple[int, int]]:
@@ -309,7 +284,7 @@ def _load_entries(ckpt: mf.CheckpointInfo, m: mf.Manifest, entries: Mapping[nest
                 raise IntegrityError(f"load into {name!r}: buffer has {view.nbytes} bytes, checkpoint {m.name} holds {entry['nbytes']}")
             out[key] = into[key]
         else:
-            out[key], view = _allocate(m.name, name, entry)
+            out[key], view = _allocate(m.name, name, entry, _residue(entry, block_size))
         for path, file_off, n, src_off in entry["segments"]:
             pieces.setdefault(path, []).append((file_off, n, view[src_off:src_off + n]))
     problems = mf.size_problems(ckpt.path, m, anchor=ckpt.path)
@@ -323,14 +298,24 @@ def _load_entries(ckpt: mf.CheckpointInfo, m: mf.Manifest, entries: Mapping[nest
     return out
 
 
-def _allocate(ckpt: str, name: str, entry: Mapping[str, Any]) -> tuple[Any, memoryview]:
+def _residue(entry: Mapping[str, Any], block_size: int) -> int | None:
+    """Where in its 4 KiB page a new buffer should start so that its bytes line up with the file's
+    pages (O_DIRECT straight into it); None for buffers small enough to be copied out of a block."""
+    segs = entry.get("segments") or []
+    if entry["nbytes"] < fill.small_limit(block_size) or not segs:
+        return None
+    _, file_off, _, src_off = segs[0]
+    return int(file_off - src_off) % ALIGN
+
+
+def _allocate(ckpt: str, name: str, entry: Mapping[str, Any], residue: int | None = None) -> tuple[Any, memoryview]:
     """A new buffer for a saved one; a kind/dtype/shape the marker got wrong is an IntegrityError.
 
     The marker's schema bounds the shape by nbytes, but only the array library knows whether a
     dtype name is one of its own (a marker naming `torch.load` as a dtype must not crash load).
     """
     try:
-        obj, view = allocate(entry)
+        obj, view = allocate(entry, residue)
     except (TypeError, ValueError, AttributeError, RuntimeError, MemoryError) as e:
         raise IntegrityError(f"checkpoint {ckpt}: buffer {name!r} cannot be allocated as recorded in its marker "
                              f"(kind {entry.get('kind')!r}, dtype {entry.get('dtype')!r}, shape {entry.get('shape')!r}: "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from tiered_ckpt.errors import UserError
+from tiered_ckpt.io.pools import ALIGN
 
 
 @runtime_checkable
@@ -111,8 +112,9 @@ def to_source(name: str, obj: Any) -> Source:
                           list(obj.shape), None, None, obj, signature(obj), t.reshape(-1).view(torch.uint8))
         flat = t.reshape(-1).view(torch.uint8).numpy()
         mv = memoryview(flat)
+        addr = int(obj.data_ptr())     # = signature(obj), without its type checks (per-tensor cost)
         return Source(name, mv.nbytes, "torch", str(obj.dtype).removeprefix("torch."), list(obj.shape), mv,
-                      int(flat.__array_interface__["data"][0]), obj, signature(obj))
+                      addr, obj, (mv.nbytes, addr))
     if _is_numpy(obj):
         if obj.dtype.hasobject:
             raise UserError(f"array {name!r} holds Python objects (dtype {obj.dtype}); only plain numeric arrays can be saved")
@@ -166,8 +168,13 @@ def writable_view(name: str, obj: Any) -> memoryview:
     return mv.cast("B") if (mv.ndim != 1 or mv.format != "B") else mv
 
 
-def allocate(entry: Mapping[str, Any]) -> tuple[Any, memoryview]:
-    """A new object shaped like a saved buffer (numpy/torch when they are installed) and its byte view."""
+def allocate(entry: Mapping[str, Any], residue: int | None = None) -> tuple[Any, memoryview]:
+    """A new object shaped like a saved buffer (numpy/torch when they are installed) and its byte view.
+
+    `residue`: the offset in its 4 KiB page the buffer's first byte should have (so that a file's
+    pages land in it with O_DIRECT); honoured by over-allocating one page and starting the buffer
+    inside it, where the element size allows (the tensor is then a view at that storage offset).
+    """
     kind, nbytes = entry["kind"], int(entry["nbytes"])
     if kind == "torch":
         try:
@@ -175,7 +182,17 @@ def allocate(entry: Mapping[str, Any]) -> tuple[Any, memoryview]:
         except ImportError:
             kind = "numpy" if _numpy_dtype_ok(entry) else "bytes"
         else:
-            t = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+            dtype = getattr(torch, entry["dtype"])
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"{entry['dtype']!r} is not a torch dtype")
+            t = None
+            if residue is not None and nbytes and residue % dtype.itemsize == 0:
+                raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+                shift = (residue - raw.data_ptr()) % ALIGN
+                if shift % dtype.itemsize == 0:
+                    t = raw[shift:shift + nbytes].view(dtype).view(entry["shape"])
+            if t is None:
+                t = torch.empty(entry["shape"], dtype=dtype)
             return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     if kind == "numpy":
         try:
@@ -183,7 +200,14 @@ def allocate(entry: Mapping[str, Any]) -> tuple[Any, memoryview]:
         except ImportError:
             kind = "bytes"
         else:
-            a = np.empty(entry["shape"], dtype=np.dtype(entry["dtype"]))
+            dt = np.dtype(entry["dtype"])
+            if residue is not None and nbytes and residue % dt.itemsize == 0:
+                mem = np.empty(nbytes + ALIGN, dtype=np.uint8)
+                at = (residue - mem.ctypes.data) % ALIGN
+                if at % dt.itemsize == 0:
+                    arr = mem[at:at + nbytes].view(dt).reshape(entry["shape"])
+                    return arr, memoryview(mem[at:at + nbytes])  # type: ignore[arg-type]
+            a = np.empty(entry["shape"], dtype=dt)
             return a, memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     b = bytearray(nbytes)
     return b, memoryview(b)
