@@ -73,9 +73,10 @@ def test_new_tensors_are_filled_with_o_direct_whatever_the_offsets_and_match(cfg
     assert kinds["direct"] >= 10, kinds
     assert kinds["group"] and kinds["group pieces"] >= 150 and kinds["group"] < kinds["group pieces"] / 5, kinds
     # Each new large tensor starts where its bytes start in their 4 KiB page of the file.
-    m = mf.read_marker(Path(cfg.root) / "m" / "global_epoch0_step1")
+    d = Path(cfg.root) / "m" / "global_epoch0_step1"
+    m = mf.read_marker(d)
     assert m is not None
-    idx = reader.rank_index(m, 0)
+    idx = reader.read_index(d, m, 0).buffers
     for k in ("big", "half", "tail"):
         _, file_off, _, src_off = idx[k]["segments"][0]
         assert (out[k].data_ptr() - (file_off - src_off)) % 4096 == 0, k
@@ -143,7 +144,7 @@ def test_hash_check_catches_one_flipped_byte_in_memory_filled_directly_or_coales
     d = Path(cfg.root) / "m" / "global_epoch0_step1"
     m = mf.read_marker(d)
     assert m is not None
-    path, file_off, n, _ = reader.rank_index(m, 0)[where]["segments"][0]
+    path, file_off, n, _ = reader.read_index(d, m, 0).buffers[where]["segments"][0]
     _flip(d / path, file_off + n // 2)
     with pytest.raises(IntegrityError, match=f"{path}: content hash differs"):
         tc.load(config=cfg, verify_hash=True)
