@@ -93,10 +93,12 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
            root: str | Path | None, model: str | None, config: config_mod.NodeConfig | None,
            rank: int | None, world_size: int | None, group: Any, save_id: str | None, options: IoOptions,
            pool_kind: str, progress: Callable[[int], None] | None,
-           replicated: Collection[str] | None = None) -> tuple[writer.Save, config_mod.NodeConfig]:
+           replicated: Collection[str] | None = None,
+           made: dict[str, Any] | None = None) -> tuple[writer.Save, config_mod.NodeConfig]:
+    """Set up one rank's save; `made` (the caller's, for its error record) gets cfg, cid, save."""
     options = _require_options(options)
     comm = detect(rank, world_size, group, timeout=options.barrier_timeout)
-    made: dict[str, Any] = {}
+    made = {} if made is None else made
 
     def build() -> str | None:
         # Everything that can fail on one rank runs inside the agreement: the other ranks learn of
@@ -175,12 +177,13 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
     the save fails with an error naming the entry and nothing is committed.
     """
     called = time.monotonic()
+    made: dict[str, Any] = {}
     try:
         s, cfg = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
                         world_size=world_size, group=group, save_id=save_id, options=options, pool_kind="sync",
-                        progress=progress, replicated=replicated)
+                        progress=progress, replicated=replicated, made=made)
     except BaseException as e:
-        _failed("save", model, name, called, e)
+        _failed("save", *_known(made, model, name), called, e)
         raise
     try:
         s.produce()
@@ -198,6 +201,12 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
         _failed("save", s.model, s.cid.name, called, e)
         raise
     return _recorded(s, res, cfg)
+
+
+def _known(made: dict[str, Any], model: str | None, name: str | None) -> tuple[str | None, str | None]:
+    """(model, checkpoint name) as far as the save got before it failed."""
+    cfg, cid = made.get("cfg"), made.get("cid")
+    return (cfg.model if cfg is not None else model), (cid.name if cid is not None else name)
 
 
 def _failed(operation: str, model: str | None, name: str | None, since: float, e: BaseException) -> None:
@@ -286,12 +295,14 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
     the save; nothing is committed). replicated= as for save() (hashed before the call returns).
     """
     called = time.monotonic()
+    made: dict[str, Any] = {}
     try:
         s, cfg = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
                         world_size=world_size, group=group, save_id=save_id, options=options,
-                        pool_kind="sync" if zero_copy else "staging", progress=progress, replicated=replicated)
+                        pool_kind="sync" if zero_copy else "staging", progress=progress, replicated=replicated,
+                        made=made)
     except BaseException as e:
-        _failed("async_save", model, name, called, e)
+        _failed("async_save", *_known(made, model, name), called, e)
         raise
     fut = writer.run_async(s, zero_copy)
     blocked = time.monotonic() - called

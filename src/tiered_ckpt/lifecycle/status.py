@@ -157,10 +157,11 @@ def backlog(backend: TierBackend, model_dir: Path, listing: Mapping[str, BlobInf
 def export_job(backend: TierBackend, export_status_path: str | os.PathLike[str] | None) -> dict[str, Any]:
     cfg = backend.cfg
     if backend.kind == "local":
-        st = read_status(export_status_path or default_status_path(cfg.root))
+        where = export_status_path or default_status_path(cfg.root)
+        st = read_status(where)
         if st is None:
             return {"job": "local exporter (stand-in for AMLFS auto-export)", "state": "never ran",
-                    "hint": "run `tiered-ckpt export --watch` (or the demo)"}
+                    "status_file": str(where), "hint": "run `tiered-ckpt export --watch` (or the demo)"}
         return {"job": st.stand_in, **asdict(st)}
     try:
         s = make_jobs(cfg).autoexport_status()
@@ -176,7 +177,7 @@ def export_check(export: Mapping[str, Any]) -> tuple[str, str]:
     if export.get("error"):
         return UNKNOWN, f"{export.get('job')}: {export['error']}"
     if state == "never ran":
-        return UNKNOWN, f"{export.get('job')} never ran (no status file); {export.get('hint', '')}".rstrip("; ")
+        return UNKNOWN, f"{export.get('job')} never ran (no status file {export.get('status_file')}); {export.get('hint')}"
     if state in EXPORT_STOPPED:
         msg = export.get("status_message") or ""
         return PROBLEM, (f"{export.get('job')} is {state}{': ' + msg if msg else ''}; new checkpoints are not "
@@ -218,6 +219,7 @@ def gather(backend: TierBackend, policy: Policy | None = None,
     if backend.archive_configured:
         try:
             blobs = backend.store.listing(cfg.model)
+            out.check("archive", OK)
         except UserError as e:
             archive_err = e
             out.check("archive", UNKNOWN, f"the archive could not be listed: {e}")
@@ -273,7 +275,8 @@ def gather(backend: TierBackend, policy: Policy | None = None,
     out.checkpoints.sort(key=lambda s: parse_name(s.name, cfg.naming) or CheckpointId(0, 0))
     try:
         if archive_err is not None and not amlfs:
-            raise archive_err       # local mode measures the backlog against the archive
+            # Local mode measures the backlog against the archive.
+            raise UserError("measured against the archive, which could not be listed (see archive)")
         out.backlog = backlog(backend, mf.model_dir(cfg.root, cfg.model), blobs)
         if out.backlog.note:
             out.check("backlog", PROBLEM, out.backlog.note)
