@@ -6,6 +6,7 @@ refresh the metrics textfile."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import logging
 import os
@@ -201,3 +202,20 @@ def test_saves_and_the_retention_run_refresh_the_textfile(env, tmp_path: Path) -
     assert p.returncode == 0, p.stderr
     m = _textfile_samples(prom)
     assert m["tiered_ckpt_retention_deleted_total"] == 1 and m["tiered_ckpt_newest_archived_step"] == 20
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.timeout(180)
+def test_dcp_commit_is_one_record(tmp_path: Path, json_logs, capsys) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tiered_ckpt.dcp import TieredWriter
+
+    root = tmp_path / "lustre"
+    root.mkdir()
+    dcp.save({"w": torch.arange(4096, dtype=torch.float32)}, storage_writer=TieredWriter(str(root), "m", epoch=0, step=7))
+    [r] = of(records(capsys.readouterr().err), "dcp save")
+    assert r["checkpoint"] == "global_epoch0_step7" and r["model"] == "m" and r["outcome"] == "ok"
+    assert r["bytes"] >= 4096 * 4 and r["duration_s"] > 0 and r["logger"] == "tiered_ckpt.dcp"
