@@ -359,6 +359,10 @@ def _retention_units(n: NodeInputs) -> list[dict[str, str]]:
     # and AMLFS does not expose those masks: `lfs hsm_release` needs CAP_SYS_ADMIN, so with
     # action "release" the service keeps that one capability (ambient, nothing else). No
     # capability bypasses file permissions (CAP_DAC_OVERRIDE, CAP_FOWNER are not granted).
+    # journald gets one JSON object per log line on stderr (--log-format json: model, checkpoint,
+    # operation, duration_s, bytes, outcome) and the run's result on stdout (--json). With
+    # metrics.textfile set in the node config, each run also rewrites that node-exporter textfile
+    # (its directory must be writable by the service user).
     caps = ("AmbientCapabilities=CAP_SYS_ADMIN\nCapabilityBoundingSet=CAP_SYS_ADMIN\n" if n.action == "release"
             else "AmbientCapabilities=\nCapabilityBoundingSet=\n")
     service = f"""[Unit]
@@ -378,7 +382,7 @@ ProtectSystem=full
 ProtectHome=yes
 PrivateTmp=yes
 Environment=TIERED_CKPT_CONFIG={CONFIG_PATH}
-ExecStart={VENV}/bin/tiered-ckpt retention apply --json
+ExecStart={VENV}/bin/tiered-ckpt retention apply --json --log-format json
 """
     timer = f"""[Unit]
 Description=Run tiered-ckpt retention on a schedule (once per cluster: this host only)

@@ -16,6 +16,9 @@ precedence and documents every field):
 """
 from __future__ import annotations
 
+import atexit
+import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
@@ -36,10 +39,12 @@ from tiered_ckpt.io.save_commit import note_failure
 from tiered_ckpt.io.sources import to_sources
 from tiered_ckpt.io.writer import SaveResult
 from tiered_ckpt.lifecycle import reuse
+from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import CheckpointId, make_id, require_name, require_number, scheme
 
 _DEFAULT = IoOptions()     # every field from the node config, or its documented default
+log = logging.getLogger(__name__)
 
 
 class SaveHandle:
@@ -88,10 +93,12 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
            root: str | Path | None, model: str | None, config: config_mod.NodeConfig | None,
            rank: int | None, world_size: int | None, group: Any, save_id: str | None, options: IoOptions,
            pool_kind: str, progress: Callable[[int], None] | None,
-           replicated: Collection[str] | None = None) -> writer.Save:
+           replicated: Collection[str] | None = None,
+           made: dict[str, Any] | None = None) -> tuple[writer.Save, config_mod.NodeConfig]:
+    """Set up one rank's save; `made` (the caller's, for its error record) gets cfg, cid, save."""
     options = _require_options(options)
     comm = detect(rank, world_size, group, timeout=options.barrier_timeout)
-    made: dict[str, Any] = {}
+    made = {} if made is None else made
 
     def build() -> str | None:
         # Everything that can fail on one rank runs inside the agreement: the other ranks learn of
@@ -129,7 +136,7 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
     ids = comm.phase("preparing", about, build, failed)
     s = made["save"]
     s.started(ids)
-    return s
+    return s, made["cfg"]
 
 
 def _require_replicated(replicated: Any, state: Any) -> list[str]:
@@ -169,9 +176,15 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
     every rank's load() returns them. Each rank hashes them first; if they differ between ranks
     the save fails with an error naming the entry and nothing is committed.
     """
-    s = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
-               world_size=world_size, group=group, save_id=save_id, options=options, pool_kind="sync",
-               progress=progress, replicated=replicated)
+    called = time.monotonic()
+    made: dict[str, Any] = {}
+    try:
+        s, cfg = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
+                        world_size=world_size, group=group, save_id=save_id, options=options, pool_kind="sync",
+                        progress=progress, replicated=replicated, made=made)
+    except BaseException as e:
+        _failed("save", *_known(made, model, name), called, e)
+        raise
     try:
         s.produce()
     except BaseException as e:   # e.g. KeyboardInterrupt: the other ranks still learn of it
@@ -180,18 +193,92 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
             s.finish()
         except BaseException:  # noqa: BLE001 - the original interruption is what the caller sees
             pass
+        _failed("save", s.model, s.cid.name, called, e)
         raise
-    return _recorded(s, s.finish())
+    try:
+        res = s.finish()
+    except BaseException as e:
+        _failed("save", s.model, s.cid.name, called, e)
+        raise
+    return _recorded(s, res, cfg)
 
 
-def _recorded(s: writer.Save, res: SaveResult) -> SaveResult:
-    """Rank 0 leaves the save's record for `tiered-ckpt metrics` (best effort, never fails the save)."""
+def _known(made: dict[str, Any], model: str | None, name: str | None) -> tuple[str | None, str | None]:
+    """(model, checkpoint name) as far as the save got before it failed."""
+    cfg, cid = made.get("cfg"), made.get("cid")
+    return (cfg.model if cfg is not None else model), (cid.name if cid is not None else name)
+
+
+def _failed(operation: str, model: str | None, name: str | None, since: float, e: BaseException) -> None:
+    """One ERROR record for an operation that raised (the caller still gets the exception)."""
+    log.error("%s of %s failed: %s", operation, name or "a checkpoint", str(e) or type(e).__name__,
+              extra=fields(operation, model=model, checkpoint=name, duration_s=time.monotonic() - since,
+                           outcome="error", error=type(e).__name__))
+
+
+def _recorded(s: writer.Save, res: SaveResult, cfg: config_mod.NodeConfig) -> SaveResult:
+    """Rank 0 leaves the save's record for `tiered-ckpt metrics` and refreshes the node-exporter
+    textfile when metrics.textfile is set (best effort, never fails or delays the save)."""
+    info = fields("save", model=s.model, checkpoint=res.name, duration_s=res.seconds, nbytes=res.bytes,
+                  rank=res.rank, world_size=res.world_size, files=res.files)
     if res.rank == 0:
         records.record(s.root, s.model, records.SAVE,
                        {"name": res.name, "bytes": res.bytes, "seconds": res.seconds, "files": res.files,
                         "world_size": res.world_size},
                        totals={"saves": 1, "bytes": res.bytes})
+        log.info("saved %s: %d bytes in %.2fs (%.2f GB/s, %d rank(s))", res.name, res.bytes, res.seconds,
+                 res.bytes / res.seconds / 1e9 if res.seconds > 0 else 0.0, res.world_size, extra=info)
+        if cfg.metrics.textfile:
+            _refresh_textfile(cfg)
+    else:       # one INFO line per save, not one per rank
+        log.debug("rank %d wrote its part of %s", res.rank, res.name, extra=info)
     return res
+
+
+# At most one textfile refresh runs at a time; a save during one asks for one more after it.
+_textfile: dict[str, Any] = {"thread": None, "again": None}
+_textfile_lock = threading.Lock()
+
+
+def _refresh_textfile(cfg: config_mod.NodeConfig) -> None:
+    """Rewrite metrics.textfile in a background thread: collecting looks at both tiers (a Blob
+    listing, lfs hsm_state, ARM), which a training step must not wait for."""
+    with _textfile_lock:
+        t = _textfile["thread"]
+        if t is not None and t.is_alive():
+            _textfile["again"] = cfg
+            return
+        t = _textfile["thread"] = threading.Thread(target=_write_textfiles, args=(cfg,), daemon=True,
+                                                   name="tiered-ckpt-metrics")
+    t.start()
+
+
+def _write_textfiles(cfg: config_mod.NodeConfig) -> None:
+    from tiered_ckpt.lifecycle import metrics
+    from tiered_ckpt.tiers.backends import make_backend
+
+    while True:
+        path = cfg.metrics.textfile
+        try:
+            assert path is not None
+            metrics.write_textfile(cfg, make_backend(cfg), path)
+        except Exception as e:  # noqa: BLE001 - metrics are best effort; the save is committed
+            log.warning("could not refresh the metrics textfile %s: %s", path, e,
+                        extra=fields("metrics", model=cfg.model, outcome="error"))
+        with _textfile_lock:
+            again, _textfile["again"] = _textfile["again"], None
+            if again is None:
+                return
+            cfg = again
+
+
+@atexit.register
+def _flush_textfile(timeout: float = 30.0) -> None:
+    """A script that exits right after its last save still leaves that save in the textfile
+    (waits at most `timeout` seconds: an unreachable archive must not hold the exit)."""
+    t = _textfile["thread"]
+    if t is not None and t.is_alive():
+        t.join(timeout)
 
 
 def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None = None, name: str | None = None,
@@ -208,14 +295,33 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
     the save; nothing is committed). replicated= as for save() (hashed before the call returns).
     """
     called = time.monotonic()
-    s = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
-               world_size=world_size, group=group, save_id=save_id, options=options,
-               pool_kind="sync" if zero_copy else "staging", progress=progress, replicated=replicated)
+    made: dict[str, Any] = {}
+    try:
+        s, cfg = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
+                        world_size=world_size, group=group, save_id=save_id, options=options,
+                        pool_kind="sync" if zero_copy else "staging", progress=progress, replicated=replicated,
+                        made=made)
+    except BaseException as e:
+        _failed("async_save", *_known(made, model, name), called, e)
+        raise
     fut = writer.run_async(s, zero_copy)
     blocked = time.monotonic() - called
     if s.comm.rank == 0:
         records.record(s.root, s.model, records.ASYNC_SAVE, {"name": s.cid.name, "blocked_seconds": blocked})
-    fut.add_done_callback(lambda f: _recorded(s, f.result()) if not f.cancelled() and f.exception() is None else None)
+        log.debug("async save of %s snapshotted; the caller was blocked %.3fs", s.cid.name, blocked,
+                  extra=fields("async_save", model=s.model, checkpoint=s.cid.name, duration_s=blocked,
+                               outcome="started", blocked_seconds=blocked))
+
+    def done(f: Future[SaveResult]) -> None:
+        if f.cancelled():
+            return
+        e = f.exception()
+        if e is None:
+            _recorded(s, f.result(), cfg)
+        else:
+            _failed("save", s.model, s.cid.name, called, e)
+
+    fut.add_done_callback(done)
     return SaveHandle(fut, s.cid.name)
 
 
@@ -226,7 +332,11 @@ def latest(*, root: str | Path | None = None, model: str | None = None,
     Directories are tried newest first by name; the first whose marker is valid and whose files
     have their listed sizes is it (older ones are not read; no index is parsed)."""
     cfg = _cfg(config, root, model)
-    return mf.latest_committed(cfg.root, cfg.model, cfg.naming)
+    got = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
+    log.debug("newest committed checkpoint of %s: %s", cfg.model, got.name if got else "none",
+              extra=fields("latest", model=cfg.model, checkpoint=got.name if got else None,
+                           outcome="found" if got else "none"))
+    return got
 
 
 def load(name: str | None = None, *, root: str | Path | None = None, model: str | None = None,
@@ -243,20 +353,42 @@ def load(name: str | None = None, *, root: str | Path | None = None, model: str 
     Sizes are always checked; content hashes when verify_hash=True. Of `options`, threads,
     block_size and direct apply (the others are about saving).
     """
-    cfg = _cfg(config, root, model)
-    mf.require_root(cfg.root)
-    if name is None:
-        info = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
-        if info is None:
-            raise IntegrityError(f"no committed checkpoint under {Path(cfg.root) / cfg.model}")
-    else:
-        require_name(name, cfg.naming)
-        found = mf.find(cfg.root, cfg.model, name, cfg.naming)
-        if found is None:
-            raise UserError(f"checkpoint {name} not found under {Path(cfg.root) / cfg.model} (tiered-ckpt list shows what is there)")
-        info = found
-    if rank is None:
-        rank = detect().rank
-    opts = _require_options(options).resolve(cfg.io)
-    return reader.load(info, rank=rank, into=into, check_hash=verify_hash, threads=opts.threads,
-                       block_size=opts.block_size, direct=opts.direct, progress=progress)
+    called = time.monotonic()
+    cfg = None
+    try:
+        cfg = _cfg(config, root, model)
+        mf.require_root(cfg.root)
+        if name is None:
+            info = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
+            if info is None:
+                raise IntegrityError(f"no committed checkpoint under {Path(cfg.root) / cfg.model}")
+        else:
+            require_name(name, cfg.naming)
+            found = mf.find(cfg.root, cfg.model, name, cfg.naming)
+            if found is None:
+                raise UserError(f"checkpoint {name} not found under {Path(cfg.root) / cfg.model} "
+                                "(tiered-ckpt list shows what is there)")
+            info = found
+        if rank is None:
+            rank = detect().rank
+        opts = _require_options(options).resolve(cfg.io)
+        moved = [0]
+        lock = threading.Lock()
+
+        def counted(n: int) -> None:     # bytes read, for the load's record (one add per block, any thread)
+            with lock:
+                moved[0] += n
+            if progress is not None:
+                progress(n)
+
+        got = reader.load(info, rank=rank, into=into, check_hash=verify_hash, threads=opts.threads,
+                          block_size=opts.block_size, direct=opts.direct, progress=counted)
+    except BaseException as e:
+        _failed("load", cfg.model if cfg else model, name, called, e)
+        raise
+    seconds = time.monotonic() - called
+    log.log(logging.INFO if rank == 0 else logging.DEBUG, "loaded %s: %d bytes in %.2fs%s", info.name, moved[0],
+            seconds, " (hashes verified)" if verify_hash else "",
+            extra=fields("load", model=cfg.model, checkpoint=info.name, duration_s=seconds, nbytes=moved[0],
+                         rank=rank, verified=verify_hash))
+    return got

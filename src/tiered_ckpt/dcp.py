@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import gc
 import io
+import logging
 import os
 import pickle
 import threading
+import time
 import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -79,8 +81,11 @@ from tiered_ckpt.io.options import IoOptions, WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline
 from tiered_ckpt.io.posix import fsync_parents, open_subdir, os_error, write_small
 from tiered_ckpt.io.sources import Source, to_source
+from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import CheckpointId, make_id, require_name, scheme
+
+log = logging.getLogger(__name__)
 
 __all__ = ["METADATA", "TieredReader", "TieredWriter", "is_dcp_checkpoint", "metadata_name"]
 
@@ -236,6 +241,7 @@ class TieredWriter(StorageWriter):
         and the save id (metadata and marker) is the coordinator's, picked here.
         """
         self.close()
+        self._t0 = time.monotonic()
         sid = new_save_id()
         mf.require_root(self.root)
         self._claim_name()
@@ -290,8 +296,18 @@ class TieredWriter(StorageWriter):
                 mf.write_marker(self.path, m, dir_fd=self._dfd)
             except OSError as e:
                 raise os_error(e, self.path / mf.MARKER) from None
+        except BaseException as e:
+            log.error("DCP save of %s failed at commit: %s", self.cid.name, e,
+                      extra=fields("dcp save", model=self.model, checkpoint=self.cid.name, outcome="error"))
+            raise
         finally:
             self.close()
+        seconds = time.monotonic() - getattr(self, "_t0", time.monotonic())
+        total = sum(e.size for e in entries)
+        log.info("DCP save committed %s: %d bytes, %d rank(s), %.2fs since planning", self.cid.name, total,
+                 len(results), seconds,
+                 extra=fields("dcp save", model=self.model, checkpoint=self.cid.name, duration_s=seconds,
+                              nbytes=total, world_size=len(results), files=len(entries)))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -88,7 +88,7 @@ def test_custom_data_mounts_amlfs_installs_toolkit_and_timer(plan: Plan) -> None
     assert "tiered-ckpt-retention.timer" not in boot
     login = {f["path"]: f for f in yaml.safe_load(login_data(p))["write_files"]}
     service = login["/etc/systemd/system/tiered-ckpt-retention.service"]["content"]
-    assert "ExecStart=/opt/tiered-ckpt/bin/tiered-ckpt retention apply --json" in service
+    assert "ExecStart=/opt/tiered-ckpt/bin/tiered-ckpt retention apply --json --log-format json" in service
     assert "OnCalendar=*:0/15" in login["/etc/systemd/system/tiered-ckpt-retention.timer"]["content"]
     assert "systemctl enable --now tiered-ckpt-retention.timer" in login["/usr/local/sbin/tiered-ckpt-bootstrap"]["content"]
 

@@ -127,7 +127,9 @@ def test_unreadable_directory_and_non_utf8_name_are_failed_files_and_the_rest_is
     st = json.loads((tmp_path / "st.json").read_text())
     assert st["state"] == "Failed" and st["total_files_failed"] == 2
     rc, out = cli_json(conf, "status", "--export-status", str(tmp_path / "st.json"))
-    assert rc == 0 and out["export"]["state"] == "Failed"
+    # A failed export iteration is a problem status reports (exit 1), not a healthy state.
+    assert rc == 1 and out["export"]["state"] == "Failed"
+    assert {c["part"]: c["state"] for c in out["checks"]}["export"] == "PROBLEM"
 
 
 def test_an_invalid_marker_in_blob_is_never_restored_nor_breaks_status_or_retention(env, tmp_path: Path) -> None:
@@ -143,7 +145,7 @@ def test_an_invalid_marker_in_blob_is_never_restored_nor_breaks_status_or_retent
 
     rc, out = cli_json(conf, "restore", "--latest")
     assert rc == 0 and out["name"] == "global_epoch0_step10" and out["source"] == "resident", out
-    rc, out = cli_json(conf, "status")
+    rc, out = cli_json(conf, "status", "--export-status", str(tmp_path / "st.json"))
     assert rc == 0 and "global_epoch0_step20" not in {c["name"] for c in out["checkpoints"]}, out
     rc, out = cli_json(conf, "retention", "plan")
     assert rc == 0 and [c["name"] for c in out["checkpoints"]] == ["global_epoch0_step10"], out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.metadata
+import logging
 import re
 import signal
 import sys
@@ -15,10 +16,11 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 from tiered_ckpt import config as config_mod
+from tiered_ckpt import logs
 from tiered_ckpt.cli import io as io_commands
 from tiered_ckpt.cli import lifecycle as lifecycle_commands
 from tiered_ckpt.cli import timeline as timeline_commands
-from tiered_ckpt.cli.output import install_log_redaction, print_error, redact
+from tiered_ckpt.cli.output import print_error, redact
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
 Handler = Callable[[argparse.Namespace, config_mod.NodeConfig], int]
@@ -46,6 +48,11 @@ def common_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model directory under the root (default: {config:model})")
     p.add_argument("--backend", choices=("amlfs", "local"), help="tier back-end (default: {config:backend})")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--log-format", choices=logs.FORMATS,
+                   help="log records on stderr: text (default) or json (one object per line: ts, level, logger, "
+                        "message, model, checkpoint, operation, duration_s, bytes, outcome)")
+    p.add_argument("--log-level", choices=logs.LEVELS,
+                   help="the toolkit's log level (default: info with --log-format json, else warning)")
     return p
 
 
@@ -197,7 +204,10 @@ def main(argv: Sequence[str] | None = None, *, commands: Sequence[Registrar] = C
     args = parser.parse_args(argv)
     as_json = bool(getattr(args, "json", False))
     # Log records (the Azure SDK's warnings included) go through the same redaction as output.
-    install_log_redaction()
+    # JSON lines are for journald/log shippers: one record per operation at INFO. Text is for a
+    # person at a terminal, who reads the command's own output: warnings and errors only.
+    log_format = getattr(args, "log_format", None) or "text"
+    logs.configure(log_format, getattr(args, "log_level", None) or ("info" if log_format == "json" else "warning"))
     # SIGTERM (systemd stop, kill) takes the same clean-up path as Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     cfg: config_mod.NodeConfig | None = None
@@ -220,7 +230,10 @@ def main(argv: Sequence[str] | None = None, *, commands: Sequence[Registrar] = C
         return code
     except Exception:
         # A bug. Its traceback helps the report, but it may quote a URL with a SAS token.
-        sys.stderr.write(redact(traceback.format_exc()))
+        if logs.json_active():
+            logging.getLogger("tiered_ckpt.cli").error("internal error", exc_info=True)
+        else:
+            sys.stderr.write(redact(traceback.format_exc()))
         print_error("internal error (the traceback above); please report it", as_json=as_json, exit_code=EXIT_FAILED)
         return EXIT_FAILED
 

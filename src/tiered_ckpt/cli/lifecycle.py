@@ -6,6 +6,7 @@ exporter.py), which renders nothing and which the demo calls directly from Pytho
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 
 from tiered_ckpt.cli import timeline as timeline_commands
@@ -17,8 +18,8 @@ from tiered_ckpt.lifecycle import archive_retention as ar
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter, Iteration
 from tiered_ckpt.lifecycle.restore import DEFAULT_LOCK_WAIT, HASHES, NO_HASHES, restore
-from tiered_ckpt.lifecycle.status import gather
-from tiered_ckpt.tiers.backends import make_backend
+from tiered_ckpt.lifecycle.status import Status, gather
+from tiered_ckpt.tiers.backends import TierBackend, make_backend
 from tiered_ckpt.tiers.blob import BlobStore
 
 
@@ -51,13 +52,31 @@ def cmd_retention(args: argparse.Namespace, cfg: NodeConfig) -> int:
         else:
             _print_decisions(ev.decisions, f"retention plan for {cfg.model} ({cfg.root}), nothing changed")
         return EXIT_OK
-    res = ret.apply(cfg, backend, policy)
+    try:
+        res = ret.apply(cfg, backend, policy)
+    finally:
+        # The retention timer is what keeps the node-exporter textfile fresh between saves; a
+        # failed run refreshes it too (its check_ok samples then say what could not be read).
+        _refresh_textfile(cfg, backend)
     if args.json:
         print_json({"ok": True, **res.to_json()})
     else:
         _print_decisions(res.decisions, f"retention applied to {cfg.model} ({cfg.root})")
         stdout.print(f"done: {', '.join(res.done) or 'nothing'}; freed {human_bytes(res.freed_bytes)}")
     return EXIT_OK
+
+
+def _refresh_textfile(cfg: NodeConfig, backend: TierBackend) -> None:
+    """Rewrite metrics.textfile when it is set; never fails the command that did the work."""
+    if not cfg.metrics.textfile:
+        return
+    from tiered_ckpt.lifecycle import metrics
+
+    try:
+        metrics.write_textfile(cfg, backend, cfg.metrics.textfile)
+    except Exception as e:  # noqa: BLE001 - metrics are best effort
+        logging.getLogger("tiered_ckpt.cli").warning("could not write the metrics textfile %s: %s",
+                                                     cfg.metrics.textfile, e)
 
 
 def _policy_flags(q: argparse.ArgumentParser) -> None:
@@ -161,29 +180,43 @@ def cmd_restore(args: argparse.Namespace, cfg: NodeConfig) -> int:
 
 
 def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
+    """Exit code: 0 healthy, 1 a problem found, 3 some part UNKNOWN (lifecycle/status.py)."""
     if timeline_commands.wants_watch(args):
         return timeline_commands.watch(args, cfg)
     st = gather(make_backend(cfg), export_status_path=args.export_status)
     if args.json:
-        print_json({"ok": True, **st.to_json()})
-        return EXIT_OK
+        print_json({"ok": st.health == "healthy", **st.to_json()})
+        return st.exit_code()
     print_table(f"checkpoints of {st.model} ({st.backend}, {st.root})", ("checkpoint", "tier", "size", "detail"),
                 [(c.name, c.tier, human_bytes(c.bytes), c.detail) for c in st.checkpoints])
     b = st.backlog
-    age = "-" if b.oldest_age_s is None else f"{b.oldest_age_s:.0f}s"
-    stdout.print(f"export backlog: {b.files} files, {human_bytes(b.bytes)}, oldest unarchived {age} {b.note}")
+    if b.files is None or b.bytes is None:
+        stdout.print(f"export backlog: UNKNOWN: {_reason(st, 'backlog')}", highlight=False, markup=False, soft_wrap=True)
+    else:
+        age = "-" if b.oldest_age_s is None else f"{b.oldest_age_s:.0f}s"
+        stdout.print(f"export backlog: {b.files} files, {human_bytes(b.bytes)}, oldest unarchived {age}"
+                     f"{'; ' + b.note if b.note else ''}", highlight=False, markup=False, soft_wrap=True)
     e = st.export
-    stdout.print(f"export job: {e.get('job')}: state {e.get('state')}, last successful iteration "
-                 f"{e.get('last_successful_iteration_utc') or e.get('last_success_utc') or '-'}, "
-                 f"files failed {e.get('total_files_failed', '-')}{'; ' + e['error'] if e.get('error') else ''}")
+    if not st.known("export"):
+        stdout.print(f"export job: UNKNOWN: {_reason(st, 'export')}", highlight=False, markup=False, soft_wrap=True)
+    else:
+        stdout.print(f"export job: {e.get('job')}: state {e.get('state')}, last successful iteration "
+                     f"{e.get('last_successful_iteration_utc') or e.get('last_success_utc') or '-'}, "
+                     f"files failed {e.get('total_files_failed', '-')}", highlight=False, markup=False, soft_wrap=True)
     if st.capacity:
         c = st.capacity
         stdout.print(f"capacity: {human_bytes(c.used_bytes)} used of {human_bytes(c.total_bytes)}; retention keeps "
                      f"{human_bytes(c.retention_keeps_bytes)} + next checkpoint {human_bytes(c.next_checkpoint_bytes)} "
-                     f"= {human_bytes(c.needed_bytes)} ({'fits' if c.fits else 'DOES NOT FIT'})")
-    for w in st.warnings:
-        stderr.print(f"[yellow]warning:[/] {w}")
-    return EXIT_OK
+                     f"= {human_bytes(c.needed_bytes)} ({'fits' if c.fits else 'DOES NOT FIT'})", highlight=False, markup=False, soft_wrap=True)
+    for chk in st.checks:
+        stdout.print(f"check {chk.part}: {chk.state}{': ' + chk.reason if chk.reason else ''}", highlight=False,
+                     markup=False, soft_wrap=True)
+    stdout.print(f"health: {st.health} (exit {st.exit_code()})", highlight=False, markup=False, soft_wrap=True)
+    return st.exit_code()
+
+
+def _reason(st: Status, part: str) -> str:
+    return next((c.reason for c in st.checks if c.part == part), "")
 
 
 def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:

@@ -29,20 +29,35 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
+from tiered_ckpt import logs
 from tiered_ckpt.redact import redact, redact_data
 
-__all__ = ["redact", "redact_data"]
+RedactingHandler = logs.RedactingHandler
+__all__ = ["RedactingHandler", "redact", "redact_data"]
+
+
+_cli_log = logging.getLogger("tiered_ckpt.cli")
 
 
 class _RedactingConsole(Console):
     """A rich Console that redacts its string arguments before rendering.
 
     Before, not after: rendering wraps long lines, which could split a token across lines
-    where no pattern would find it again.
+    where no pattern would find it again. With `--log-format json` the stderr console's lines
+    become log records instead (stderr then holds only JSON objects, one a line).
     """
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
+        if self.stderr and logs.json_active() and all(isinstance(o, str) for o in objects):
+            text = " ".join(Text.from_markup(o).plain if kwargs.get("markup", True) else o for o in objects)
+            level, _, rest = text.partition(": ")
+            if level in ("warning", "failed"):
+                _cli_log.warning(rest)
+            else:
+                _cli_log.info(text)
+            return
         super().print(*(redact(o) if isinstance(o, str) else o for o in objects), **kwargs)
 
     def log(self, *objects: Any, **kwargs: Any) -> None:
@@ -71,9 +86,11 @@ def print_json(data: Any) -> None:
 
 def print_error(message: str, *, as_json: bool = False, exit_code: int = 1) -> None:
     message = redact(message)
+    if logs.json_active():
+        _cli_log.error(message, extra={"outcome": "error", "exit_code": exit_code})
     if as_json:
         print_json({"ok": False, "error": message, "exit_code": exit_code})
-    else:
+    elif not logs.json_active():
         # One line however long (logs, grep), and the message's own brackets are not markup.
         stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
 
@@ -84,23 +101,9 @@ def write_err(text: str) -> None:
     sys.stderr.flush()
 
 
-class RedactingHandler(logging.Handler):
-    """Log records (ours and the Azure SDK's) to the current sys.stderr, credentials removed."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            sys.stderr.write(redact(self.format(record)) + "\n")
-        except Exception:      # logging must never take the command down
-            self.handleError(record)
-
-
 def install_log_redaction(level: int = logging.WARNING) -> None:
-    """Route root logging through RedactingHandler (instead of logging's unredacted lastResort)."""
-    root = logging.getLogger()
-    if not any(isinstance(h, RedactingHandler) for h in root.handlers):
-        h = RedactingHandler(level)
-        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        root.addHandler(h)
+    """Route logging through logs.RedactingHandler (instead of logging's unredacted lastResort)."""
+    logs.configure("text", logging.getLevelName(level).lower())
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -144,7 +147,8 @@ def _bars() -> Progress:
 
 
 def _showing(enabled: bool) -> bool:
-    return enabled and (stderr.is_terminal or os.environ.get("TIERED_CKPT_PROGRESS") == "1")
+    # No bars between JSON log lines: stderr is for the log shipper then.
+    return enabled and not logs.json_active() and (stderr.is_terminal or os.environ.get("TIERED_CKPT_PROGRESS") == "1")
 
 
 @contextmanager

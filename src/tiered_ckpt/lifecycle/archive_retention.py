@@ -26,6 +26,8 @@ a marker and without a journal entry is never touched: it may be an export in pr
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -37,6 +39,7 @@ from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.lifecycle.policy import DELETE, KEEP, RESUME, Candidate, Decision, Policy, decide
 from tiered_ckpt.lifecycle.retention import ApplyResult, RetentionDecisions
+from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import parse_name
 from tiered_ckpt.tiers.blob import BlobInfo, BlobStore, archived_markers
 
@@ -44,6 +47,8 @@ from tiered_ckpt.tiers.blob import BlobInfo, BlobStore, archived_markers
 # imports), so it never appears on Lustre.
 JOURNAL_PREFIX = ".tiered-ckpt/archive-retention"
 ON_LUSTRE = "still on the accelerator layer: its archive copy proves it archived (Lustre retention frees it first)"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -152,6 +157,26 @@ def apply(cfg: NodeConfig, store: BlobStore, policy: Policy, present: Callable[[
           now: datetime | None = None, on_step: Callable[[str, str], None] | None = None) -> ApplyResult:
     """Delete what evaluate() allows, marker first (module doc). `on_step(name, step)` is called
     before each step ("journal", "marker", "data", "done"); tests use it to kill a run mid-way."""
+    t0 = time.monotonic()
+    try:
+        res = _apply(cfg, store, policy, present, now, on_step)
+    except Exception as e:
+        log.error("archive retention of %s failed: %s", cfg.model, e,
+                  extra=fields("archive retention", model=cfg.model, duration_s=time.monotonic() - t0,
+                               outcome="error"))
+        raise
+    for done in res.done:
+        name = done.partition(" ")[2]
+        log.info("archive retention deleted %s from the archive", name,
+                 extra=fields("archive retention delete", model=cfg.model, checkpoint=name))
+    log.info("archive retention of %s: %d deleted (%d bytes)", cfg.model, len(res.done), res.freed_bytes,
+             extra=fields("archive retention", model=cfg.model, duration_s=time.monotonic() - t0,
+                          nbytes=res.freed_bytes, deleted=len(res.done)))
+    return res
+
+
+def _apply(cfg: NodeConfig, store: BlobStore, policy: Policy, present: Callable[[str], bool],
+           now: datetime | None, on_step: Callable[[str, str], None] | None) -> ApplyResult:
     ev, facts = evaluate(cfg, store, policy, present, now)
     res = ApplyResult(ev)
     step = on_step or (lambda name, what: None)

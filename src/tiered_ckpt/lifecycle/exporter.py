@@ -28,6 +28,7 @@ UTF-8 (a Blob name must be) are reported as failed files too; the iteration goes
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import threading
@@ -42,8 +43,11 @@ from typing import Any
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import UserError
 from tiered_ckpt.io import fsafe
+from tiered_ckpt.logs import fields
 from tiered_ckpt.redact import redact
 from tiered_ckpt.tiers.blob import META_HASH, META_MTIME, META_SIZE, BlobInfo, BlobStore
+
+log = logging.getLogger(__name__)
 
 
 def _now() -> str:
@@ -247,6 +251,17 @@ class Exporter:
         it.seconds = time.monotonic() - t0
         it.completed_utc = _now()
         self._record(it)
+        info = fields("export", model=self.cfg.model, duration_s=it.seconds, nbytes=it.bytes_exported,
+                      outcome="ok" if it.ok else "failed", files_discovered=it.files_discovered,
+                      files_exported=it.files_exported, files_failed=it.files_failed)
+        if it.ok:
+            # An idle iteration (nothing new) is the common case of --watch: not worth a line at INFO.
+            log.log(logging.INFO if it.files_discovered else logging.DEBUG,
+                    "export iteration: %d exported (%d bytes) of %d new/changed in %.1fs", it.files_exported,
+                    it.bytes_exported, it.files_discovered, it.seconds, extra=info)
+        else:
+            log.warning("export iteration: %d file(s) failed (first: %s)", it.files_failed,
+                        it.errors[0] if it.errors else "-", extra=info)
         return it
 
     def _record(self, it: Iteration) -> None:

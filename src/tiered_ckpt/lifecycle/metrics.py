@@ -80,9 +80,9 @@ class _Collector(Collector):
             _ = e
         if st is not None:
             put("check_ok", 1, part="tiers")
-            archive_ok = not any(w.startswith("archive") for w in st.warnings)
+            archive_ok = st.known("archive") and st.known("lfs")      # the proof needs both
             put("check_ok", 1 if archive_ok else 0, part="archive")
-            export_ok = st.export.get("state") not in ("unknown", None) and "error" not in st.export
+            export_ok = st.known("export")
             put("check_ok", 1 if export_ok else 0, part="export")
             committed = [c for c in st.checkpoints if c.tier in ("resident", "not yet archived", *ARCHIVED_TIERS)]
             steps = [(parse_name(c.name, cfg.naming), c) for c in committed]
@@ -93,7 +93,7 @@ class _Collector(Collector):
                 if archived:
                     put("newest_archived_step", max(archived))
                 put("archive_lag_seconds", _lag(cfg, [c.name for c in committed if c.tier == "not yet archived"]))
-            if not st.backlog.note.startswith("unknown"):
+            if st.backlog.files is not None:
                 put("export_backlog_files", st.backlog.files)
                 put("export_backlog_bytes", st.backlog.bytes)
             failed = st.export.get("total_files_failed", st.export.get("failed_files"))

@@ -12,6 +12,7 @@ checkpoint whose marker is not archived could not be found again), must be prove
 """
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from collections.abc import Mapping
@@ -19,9 +20,12 @@ from dataclasses import dataclass, field
 
 from tiered_ckpt.io.commit import MARKER, CheckpointInfo
 from tiered_ckpt.io.hashing import hash_path
+from tiered_ckpt.logs import fields
 from tiered_ckpt.tiers.backends import TierBackend
 from tiered_ckpt.tiers.blob import BlobInfo
 from tiered_ckpt.tiers.hsm import HsmState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -131,4 +135,10 @@ def prove(backend: TierBackend, infos: list[CheckpointInfo],
                         ok, reason = False, f"blob {b.name} content hash differs from the local file (changed since export)"
             proof.files.append(FileProof(path, rel, ok, reason, released))
         out[c.name] = proof
+    if log.isEnabledFor(logging.DEBUG):      # status and retention prove on every run: DEBUG only
+        for c in committed:
+            p = out[c.name]
+            log.debug("%s: %s", p.name, "proven archived" if p.archived else p.blocked_reason(),
+                      extra=fields("prove", model=c.model, checkpoint=p.name,
+                                   outcome="archived" if p.archived else "not archived"))
     return out

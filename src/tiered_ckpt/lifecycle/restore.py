@@ -32,6 +32,7 @@ turns into a progress bar (cli/lifecycle.py) and a test or a caller may use as i
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import time
@@ -51,6 +52,7 @@ from tiered_ckpt.io.lock import checkpoint_lock
 from tiered_ckpt.io.posix import os_error
 from tiered_ckpt.lifecycle import tombstone
 from tiered_ckpt.lifecycle.journal import forget, note_restored
+from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import require_name
 from tiered_ckpt.tiers.backends import TierBackend, archive_damaged, ensure_dir, hash_at
@@ -69,6 +71,8 @@ RestoreProgress = Callable[[str, int, int], None]
 HASHES = "hashes"
 SIZES = "sizes"
 NO_HASHES = "sizes only: saved without hashes"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,18 @@ def restore(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *, v
     lock_wait: seconds to wait for another actor (a restore, retention, a save) holding the
     checkpoint's lock; ConflictError naming it after that (None: wait forever).
     """
+    t0 = time.monotonic()
+    try:
+        return _restore(cfg, backend, name, verify, progress, lock_wait)
+    except Exception as e:
+        log.error("restore of %s failed: %s", name or "the newest checkpoint", e,
+                  extra=fields("restore", model=cfg.model, checkpoint=name, duration_s=time.monotonic() - t0,
+                               outcome="error"))
+        raise
+
+
+def _restore(cfg: NodeConfig, backend: TierBackend, name: str | None, verify: bool,
+             progress: RestoreProgress | None, lock_wait: float | None) -> RestoreResult:
     root = Path(cfg.root)
     if cfg.backend == "amlfs":
         # Never create the root: with AMLFS not mounted, that would restore onto the OS disk.
@@ -354,6 +370,9 @@ def _record(cfg: NodeConfig, res: RestoreResult) -> None:
     by[path] = {"name": res.name, "seconds": res.seconds, "bytes": res.bytes}
     records.record(cfg.root, cfg.model, records.RESTORE, {"by_path": by, "last": {"path": path, **by[path]}},
                    totals={path: 1})
+    log.info("restored %s by %s: %d bytes in %.2fs (%s)", res.name, path, res.bytes, res.seconds, res.check,
+             extra=fields("restore", model=cfg.model, checkpoint=res.name, duration_s=res.seconds, nbytes=res.bytes,
+                          path=path, check=res.check, files=res.files, warnings=res.warnings or None))
 
 
 def _bookkeeping(cfg: NodeConfig, name: str, res: RestoreResult) -> None:

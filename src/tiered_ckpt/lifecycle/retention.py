@@ -19,7 +19,9 @@ less than `restore_grace` ago is kept, so that a restore is followed by its use.
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -50,9 +52,12 @@ from tiered_ckpt.lifecycle.policy import (
     decide,
 )
 from tiered_ckpt.lifecycle.proof import CheckpointProof, prove
+from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import parse_name
 from tiered_ckpt.tiers.backends import TierBackend
 from tiered_ckpt.tiers.blob import BlobInfo
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # I/O: gather candidates, evaluate, apply.
@@ -226,6 +231,33 @@ def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime |
     or the journal entry still there and still no marker (resume-delete).
     """
     mf.require_root(cfg.root)       # before the lock: exclusive() would create <root>/<model>
+    started = time.monotonic()
+    try:
+        res = _apply(cfg, backend, policy, now)
+    except Exception as e:
+        log.error("retention apply of %s failed: %s", cfg.model, e,
+                  extra=fields("retention", model=cfg.model, duration_s=time.monotonic() - started, outcome="error"))
+        raise
+    _log_run(cfg, res, time.monotonic() - started)
+    return res
+
+
+def _log_run(cfg: NodeConfig, res: ApplyResult, seconds: float) -> None:
+    """One record per checkpoint freed, one for the run (WARNING when some could not be freed)."""
+    size = {d.name: d.bytes for d in res.decisions}
+    for done in res.done:                    # "delete <name>" / "release <name>"
+        verb, _, name = done.partition(" ")
+        log.info("retention %sd %s (%d bytes)", verb, name, size.get(name, 0),
+                 extra=fields(f"retention {verb}", model=cfg.model, checkpoint=name, nbytes=size.get(name)))
+    blocked = [d.name for d in res.decisions if d.action == BLOCKED]
+    log.log(logging.WARNING if blocked else logging.INFO,
+            "retention of %s: %d freed (%d bytes)%s", cfg.model, len(res.done), res.freed_bytes,
+            f"; {len(blocked)} blocked, not proven archived: {', '.join(blocked[:5])}" if blocked else "",
+            extra=fields("retention", model=cfg.model, duration_s=seconds, nbytes=res.freed_bytes,
+                         outcome="blocked" if blocked else "ok", freed=len(res.done), blocked=len(blocked)))
+
+
+def _apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | None) -> ApplyResult:
     with exclusive(lock_path(cfg.root, cfg.model), "retention apply"):
         ev = evaluate(cfg, backend, policy, now)
         res = ApplyResult(ev)

@@ -5,9 +5,21 @@ Tier states: resident (on the accelerator layer, archive state unknown), not yet
 archived (resident and proven archived), released (AMLFS: data freed, names kept), only in
 archive (committed in Blob, absent here), in flight (not committed), invalid (a marker that
 is not valid: not committed, the detail says why), being deleted.
+
+Status tells the truth about what it could check. Each part (markers, lfs, archive, backlog,
+export, capacity) is a `Check`: ok, UNKNOWN (it could not be checked: lfs failed, ARM refused,
+the container is unreachable or refused the credential; the reason says which) or PROBLEM
+(it was checked and something is wrong). A part that is UNKNOWN shows no numbers (the backlog
+is null, not 0). `Status.exit_code()` turns that into the command's exit code (errors.py):
+
+* 0 (EXIT_OK): every part was checked and none has a problem;
+* 1 (EXIT_FAILED): a problem was found (even if other parts are also UNKNOWN);
+* 3 (EXIT_UNAVAILABLE): no problem found, but some part is UNKNOWN; like a monitoring plugin's
+  UNKNOWN (3), so an alert fires on "could not check" as well as on "checked and bad".
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -16,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tiered_ckpt.errors import UserError
+from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.lifecycle.exporter import Exporter, default_status_path, read_status, walk_tree
 from tiered_ckpt.lifecycle.journal import journaled
@@ -24,9 +36,26 @@ from tiered_ckpt.lifecycle.policy import Policy, decide
 from tiered_ckpt.lifecycle.proof import CheckpointProof, prove
 from tiered_ckpt.lifecycle.restore import archive_committed
 from tiered_ckpt.lifecycle.retention import candidates_from
+from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import CheckpointId, parse_name
 from tiered_ckpt.tiers.backends import TierBackend, make_jobs
 from tiered_ckpt.tiers.blob import BlobInfo
+
+log = logging.getLogger(__name__)
+
+OK, UNKNOWN, PROBLEM = "ok", "UNKNOWN", "PROBLEM"
+# The parts status checks, in the order it reports them.
+PARTS = ("markers", "lfs", "archive", "backlog", "export", "capacity")
+# Export job states that mean new checkpoints are not being archived (AMLFS auto-export job
+# status, Microsoft.StorageCache autoExportJobs; the local exporter uses the same words).
+EXPORT_STOPPED = ("Failed", "DisableFailed", "Disabled", "Disabling")
+
+
+@dataclass
+class Check:
+    part: str
+    state: str            # OK | UNKNOWN | PROBLEM
+    reason: str = ""
 
 
 @dataclass
@@ -39,8 +68,8 @@ class CheckpointStatus:
 
 @dataclass
 class Backlog:
-    files: int = 0
-    bytes: int = 0
+    files: int | None = 0           # None: unknown (the check's reason says why)
+    bytes: int | None = 0
     oldest_age_s: float | None = None
     note: str = ""
 
@@ -66,9 +95,38 @@ class Status:
     export: dict[str, Any] = field(default_factory=dict)
     capacity: Capacity | None = None
     warnings: list[str] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+
+    def check(self, part: str, state: str, reason: str = "") -> None:
+        """Record the outcome of `part`; a worse one replaces a better one (PROBLEM > UNKNOWN > OK)."""
+        rank = {OK: 0, UNKNOWN: 1, PROBLEM: 2}
+        for i, c in enumerate(self.checks):
+            if c.part == part:
+                if rank[state] > rank[c.state]:
+                    self.checks[i] = Check(part, state, reason)
+                elif rank[state] == rank[c.state] and reason and reason not in c.reason:
+                    c.reason = f"{c.reason}; {reason}" if c.reason else reason
+                return
+        self.checks.append(Check(part, state, reason))
+        self.checks.sort(key=lambda c: PARTS.index(c.part) if c.part in PARTS else len(PARTS))
+
+    def state_of(self, part: str) -> str:
+        return next((c.state for c in self.checks if c.part == part), OK)
+
+    def known(self, part: str) -> bool:
+        return self.state_of(part) != UNKNOWN
+
+    @property
+    def health(self) -> str:
+        """healthy | problems | unknown (problems first: a found problem is the stronger fact)."""
+        states = {c.state for c in self.checks}
+        return "problems" if PROBLEM in states else "unknown" if UNKNOWN in states else "healthy"
+
+    def exit_code(self) -> int:
+        return {"healthy": EXIT_OK, "problems": EXIT_FAILED, "unknown": EXIT_UNAVAILABLE}[self.health]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "health": self.health, "exit_code": self.exit_code()}
 
 
 def backlog(backend: TierBackend, model_dir: Path, listing: Mapping[str, BlobInfo] | None = None) -> Backlog:
@@ -99,10 +157,11 @@ def backlog(backend: TierBackend, model_dir: Path, listing: Mapping[str, BlobInf
 def export_job(backend: TierBackend, export_status_path: str | os.PathLike[str] | None) -> dict[str, Any]:
     cfg = backend.cfg
     if backend.kind == "local":
-        st = read_status(export_status_path or default_status_path(cfg.root))
+        where = export_status_path or default_status_path(cfg.root)
+        st = read_status(where)
         if st is None:
             return {"job": "local exporter (stand-in for AMLFS auto-export)", "state": "never ran",
-                    "hint": "run `tiered-ckpt export --watch` (or the demo)"}
+                    "status_file": str(where), "hint": "run `tiered-ckpt export --watch` (or the demo)"}
         return {"job": st.stand_in, **asdict(st)}
     try:
         s = make_jobs(cfg).autoexport_status()
@@ -110,6 +169,24 @@ def export_job(backend: TierBackend, export_status_path: str | os.PathLike[str] 
         return {"job": "AMLFS auto-export", "state": "unknown", "error": str(e)}
     d = asdict(s) if hasattr(s, "__dataclass_fields__") else dict(vars(s))
     return {"job": "AMLFS auto-export", **d}
+
+
+def export_check(export: Mapping[str, Any]) -> tuple[str, str]:
+    """(state, reason) of the export job from what `export_job` read."""
+    state = export.get("state")
+    if export.get("error"):
+        return UNKNOWN, f"{export.get('job')}: {export['error']}"
+    if state == "never ran":
+        return UNKNOWN, f"{export.get('job')} never ran (no status file {export.get('status_file')}); {export.get('hint')}"
+    if state in EXPORT_STOPPED:
+        msg = export.get("status_message") or ""
+        return PROBLEM, (f"{export.get('job')} is {state}{': ' + msg if msg else ''}; new checkpoints are not "
+                         "archived (a restore's import job disables auto-export while it runs)")
+    last = export.get("last_iteration") or {}
+    failed = export.get("current_iteration_files_failed") or (last.get("files_failed") if isinstance(last, dict) else 0)
+    if isinstance(failed, int) and failed > 0:
+        return PROBLEM, f"{export.get('job')}: {failed} file(s) failed in the current/last iteration"
+    return OK, ""
 
 
 def capacity(root: str, keeps: int, next_bytes: int) -> Capacity:
@@ -123,11 +200,17 @@ def capacity(root: str, keeps: int, next_bytes: int) -> Capacity:
 
 def gather(backend: TierBackend, policy: Policy | None = None,
            export_status_path: str | os.PathLike[str] | None = None) -> Status:
+    """The model's status; every part that could not be checked is UNKNOWN with its reason.
+
+    Raises UserError only when the root itself is not usable (nothing could be said at all).
+    """
+    started = time.monotonic()
     cfg = backend.cfg
     mf.require_root(cfg.root)
     policy = policy or Policy.from_config(cfg.retention)
     out = Status(cfg.model, backend.kind, str(cfg.root))
     infos = mf.scan(cfg.root, cfg.model, cfg.naming)
+    amlfs = backend.kind == "amlfs"      # the tier has HSM: proof and backlog ask lfs
     # One listing of the model's blobs serves the proof, the archive-only checkpoints and the
     # backlog: on a large model each listing is many pages, and an unreachable archive would
     # otherwise be retried (with backoff) once per use.
@@ -136,22 +219,33 @@ def gather(backend: TierBackend, policy: Policy | None = None,
     if backend.archive_configured:
         try:
             blobs = backend.store.listing(cfg.model)
+            out.check("archive", OK)
         except UserError as e:
             archive_err = e
+            out.check("archive", UNKNOWN, f"the archive could not be listed: {e}")
+    else:
+        out.check("archive", OK, "not configured: proof by lfs hsm_state alone")
     proofs: dict[str, CheckpointProof] = {}
-    try:
-        if archive_err is not None:
-            raise archive_err
-        proofs = prove(backend, infos, blobs)
-    except UserError as e:
-        out.warnings.append(f"archive proof unavailable: {e}")
+    proof_note = "archive state unknown"
+    if archive_err is not None:
+        proof_note = "archive state unknown: the archive could not be listed"
+    else:
+        try:
+            proofs = prove(backend, infos, blobs)
+        except UserError as e:
+            # With the listing in hand, the proof's only other dependency is lfs (AMLFS).
+            part = "lfs" if amlfs else "archive"
+            out.check(part, UNKNOWN, f"archive proof unavailable: {e}")
+            proof_note = f"archive state unknown: {part} could not be checked"
     pending = journaled(cfg.root, cfg.model)
+    invalid: list[str] = []
     for c in infos:
         if not c.committed:
             if c.name in pending:
                 tier = "being deleted"
             elif c.invalid is not None:
                 tier = "invalid"           # a marker is there, but it does not count: why says so
+                invalid.append(f"{c.name} ({c.why_not_committed or 'invalid marker'})")
             else:
                 tier = "in flight"
             out.checkpoints.append(CheckpointStatus(c.name, tier, 0, c.why_not_committed or "not committed"))
@@ -159,7 +253,7 @@ def gather(backend: TierBackend, policy: Policy | None = None,
         assert c.manifest is not None
         p = proofs.get(c.name)
         if p is None:
-            tier, detail = "resident", "archive state unknown"
+            tier, detail = "resident", proof_note
         elif p.released:
             tier, detail = "released", "data in the archive; names kept (restore: hsm_restore)"
         elif p.archived:
@@ -167,6 +261,8 @@ def gather(backend: TierBackend, policy: Policy | None = None,
         else:
             tier, detail = "not yet archived", p.blocked_reason()
         out.checkpoints.append(CheckpointStatus(c.name, tier, c.manifest.total_bytes, detail))
+    out.check("markers", PROBLEM if invalid else OK,
+              f"{len(invalid)} invalid marker(s): {', '.join(invalid[:3])}" if invalid else "")
     local_names = {c.name for c in infos if c.committed}
     if blobs is not None:
         try:
@@ -175,23 +271,47 @@ def gather(backend: TierBackend, policy: Policy | None = None,
                     out.checkpoints.append(CheckpointStatus(m.name, "only in archive", m.total_bytes,
                                                             "restore: download (local) / import job (AMLFS)"))
         except UserError as e:
-            out.warnings.append(f"archive listing unavailable: {e}")
+            out.check("archive", UNKNOWN, f"the archive's markers could not be read: {e}")
     out.checkpoints.sort(key=lambda s: parse_name(s.name, cfg.naming) or CheckpointId(0, 0))
     try:
-        if archive_err is not None and backend.kind == "local":
-            raise archive_err       # local mode measures the backlog against the archive
+        if archive_err is not None and not amlfs:
+            # Local mode measures the backlog against the archive.
+            raise UserError("measured against the archive, which could not be listed (see archive)")
         out.backlog = backlog(backend, mf.model_dir(cfg.root, cfg.model), blobs)
+        if out.backlog.note:
+            out.check("backlog", PROBLEM, out.backlog.note)
+        else:
+            out.check("backlog", OK)
+        if amlfs:
+            out.check("lfs", OK)
     except UserError as e:
-        out.backlog = Backlog(note=f"unknown: {e}")
+        # AMLFS measures the backlog with lfs hsm_state alone; local mode against the archive.
+        out.backlog = Backlog(None, None, None, f"unknown: {e}")
+        out.check("backlog", UNKNOWN, str(e))
+        if amlfs:
+            out.check("lfs", UNKNOWN, f"lfs hsm_state failed: {e}")
     out.export = export_job(backend, export_status_path)
+    out.check("export", *export_check(out.export))
     decisions = decide(candidates_from(infos, proofs, pending), policy, datetime.now(timezone.utc))
     keeps = sum(d.bytes for d in decisions if d.action not in ("delete", "resume-delete", "release"))
     done = [c for c in infos if c.committed]
     next_bytes = done[-1].manifest.total_bytes if done and done[-1].manifest else 0
-    out.capacity = capacity(str(cfg.root), keeps, next_bytes)
-    if not out.capacity.fits:
-        out.warnings.append(
-            f"retention keeps {keeps} bytes and the next checkpoint needs {next_bytes}: more than the "
-            f"accelerator layer's {out.capacity.total_bytes} bytes; lower retention.keep_last or grow the file system"
-        )
+    try:
+        out.capacity = capacity(str(cfg.root), keeps, next_bytes)
+    except OSError as e:
+        out.check("capacity", UNKNOWN, f"statvfs of {cfg.root} failed: {e.strerror or e}")
+    else:
+        if not out.capacity.fits:
+            out.check("capacity", PROBLEM,
+                      f"retention keeps {keeps} bytes and the next checkpoint needs {next_bytes}: more than the "
+                      f"accelerator layer's {out.capacity.total_bytes} bytes; lower retention.keep_last or grow the "
+                      "file system")
+        else:
+            out.check("capacity", OK)
+    bad = [chk for chk in out.checks if chk.state != OK]
+    out.warnings.extend(f"{chk.part}: {chk.state}: {chk.reason}" for chk in bad)
+    log.info("status of %s: %s%s", cfg.model, out.health, "".join(f"; {chk.part} {chk.state}" for chk in bad),
+             extra=fields("status", model=cfg.model, duration_s=time.monotonic() - started, outcome=out.health,
+                          unknown=[chk.part for chk in bad if chk.state == UNKNOWN],
+                          problems=[chk.part for chk in bad if chk.state == PROBLEM]))
     return out
