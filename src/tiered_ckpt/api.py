@@ -56,16 +56,17 @@ class SaveHandle:
         self.seen = False          # the caller has been given the outcome
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        res = self._f.result(timeout)
-        self.seen = True
-        return res
+        try:
+            return self._f.result(timeout)
+        finally:
+            self.seen = self._f.done()
 
     def done(self) -> bool:
         return self._f.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         err = self._f.exception(timeout)
-        self.seen = True
+        self.seen = True       # returned: the save ended (a timeout raises instead)
         return err
 
     def _wait_quietly(self) -> BaseException | None:
@@ -120,8 +121,8 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
            rank: int | None, world_size: int | None, group: Any, save_id: str | None, options: IoOptions,
            pool_kind: str, progress: Callable[[int], None] | None,
            replicated: Collection[str] | None = None,
-           stage: Callable[[list[Source], WriteOptions, config_mod.IoConfig], tuple[list[Source], staging.BlockPool]]
-           | None = None) -> writer.Save:
+           stage: Callable[[list[Source], WriteOptions, config_mod.IoConfig],
+                           tuple[list[Source], staging.BlockPool, bool]] | None = None) -> writer.Save:
     options = _require_options(options)
     comm = detect(rank, world_size, group, timeout=options.barrier_timeout)
     made: dict[str, Any] = {}
@@ -141,14 +142,16 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
             assert structure is not None
             sources, structure, record = writer.split_replicated(sources, structure, rep_keys, comm.rank,
                                                                  comm.world_size)
+        background = False
         if stage is not None:
-            sources, pool = stage(sources, opts, cfg.io)
+            sources, pool, background = stage(sources, opts, cfg.io)
         else:
             pool = staging.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
         s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
                                        overwrite_incomplete=options.overwrite_incomplete, save_id=save_id,
                                        progress=progress, structure=structure, replicated=record,
                                        name_check=reuse.checks_for(cfg.root, cfg.model, cid.name, cfg.archive))
+        s.start_in_produce = background
         return s.prepare_local()
 
     def failed(exc: BaseException) -> None:
@@ -253,12 +256,13 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
     _previous_outcome()
     snaps: list[staging.Snapshot] = []
 
-    def stage(sources: list[Source], opts: WriteOptions, io: config_mod.IoConfig) -> tuple[list[Source], staging.BlockPool]:
+    def stage(sources: list[Source], opts: WriteOptions,
+              io: config_mod.IoConfig) -> tuple[list[Source], staging.BlockPool, bool]:
         snap = staging.snapshot(sources, budget=options.pool_bytes("staging", io), block_size=opts.block_size,
                                 ring_bytes=min(options.pool_bytes("sync", io), opts.threads * opts.block_size),
                                 copy_threads=opts.copy_threads, timeout=opts.barrier_timeout)
         snaps.append(snap)
-        return snap.sources, snap.pool
+        return snap.sources, snap.pool, not snap.streaming     # staged: the writers start in the background
 
     try:
         s = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
@@ -273,9 +277,15 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
     blocked = time.monotonic() - called
     if snaps:
         fut.add_done_callback(lambda f: snaps[0].close())
-    if s.comm.rank == 0:
-        records.record(s.root, s.model, records.ASYNC_SAVE, {"name": s.cid.name, "blocked_seconds": blocked})
-    fut.add_done_callback(lambda f: _recorded(s, f.result()) if not f.cancelled() and f.exception() is None else None)
+
+    def done(f: Future[SaveResult]) -> None:
+        # In the background thread (a record is a file write: not in the caller's blocked time).
+        if s.comm.rank == 0:
+            records.record(s.root, s.model, records.ASYNC_SAVE, {"name": s.cid.name, "blocked_seconds": blocked})
+        if not f.cancelled() and f.exception() is None:
+            _recorded(s, f.result())
+
+    fut.add_done_callback(done)
     handle = SaveHandle(fut, s.cid.name)
     with _previous_lock:
         _previous[:] = [handle]

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
 
 from tiered_ckpt.errors import ConfigError, IntegrityError, UserError
 from tiered_ckpt.io import sources as srcs
@@ -148,8 +148,8 @@ def _round_up(n: int) -> int:
 class StagingArea:
     """This process's async staging memory: grown on demand, reused, released on request.
 
-    Counters (for tests, benchmarks and `tiered-ckpt` status lines): `nbytes` mapped now,
-    `peak_bytes`, `mappings` (how often it grew), `leases` (saves served), `releases`.
+    Counters (for tests and benchmarks): `nbytes` mapped now, `peak_bytes` (the most mapped
+    since the last release), `mappings` (how often it grew), `leases` (saves served), `releases`.
     """
 
     def __init__(self) -> None:
@@ -239,6 +239,7 @@ class StagingArea:
                 self._release_when_idle = False
                 self._drop()
                 self.releases += 1
+                self.peak_bytes = 0
             self._cond.notify_all()
 
     def release(self) -> int:
@@ -251,6 +252,7 @@ class StagingArea:
             freed = self._drop()
             if freed:
                 self.releases += 1
+            self.peak_bytes = 0
             return freed
 
 
@@ -364,10 +366,11 @@ def _copy_all(sources: list[Source], lease: Lease, start: int, copy_threads: int
             for off in range(0, s.nbytes, COPY_CHUNK):
                 tasks.append((s, off, min(COPY_CHUNK, s.nbytes - off), pos + off))
         if s.kind == "stream":
-            staged.append(replace(s, view=None, address=None, obj=_StagedStream(view), device_bytes=None))
+            staged.append(Source(s.name, s.nbytes, s.kind, s.dtype, s.shape, None, None, _StagedStream(view),
+                                 (s.nbytes, None)))
         else:
-            staged.append(replace(s, view=view, address=lease.address + pos, obj=view, signature=(s.nbytes, None),
-                                  device_bytes=None))
+            staged.append(Source(s.name, s.nbytes, s.kind, s.dtype, s.shape, view, lease.address + pos, view,
+                                 (s.nbytes, None)))
         pos += _aligned(s.nbytes)
     if device:
         lease.area.pin()
@@ -384,6 +387,18 @@ def _copy_all(sources: list[Source], lease: Lease, start: int, copy_threads: int
 def _copy_one(task: tuple[Source, int, int, int], lease: Lease) -> None:
     s, off, n, at = task
     s.copy_into(off, lease.view[at:at + n], lease.address + at)
+
+
+_copiers: dict[int, ThreadPoolExecutor] = {}  # by size; kept: starting threads in the blocked window costs
+_copiers_lock = threading.Lock()
+
+
+def _copier(nthreads: int) -> ThreadPoolExecutor:
+    with _copiers_lock:
+        ex = _copiers.get(nthreads)
+        if ex is None:
+            ex = _copiers[nthreads] = ThreadPoolExecutor(max_workers=nthreads, thread_name_prefix="ckpt-stage")
+        return ex
 
 
 def _run_copies(tasks: list[tuple[Source, int, int, int]], lease: Lease, copy_threads: int | None) -> None:
@@ -409,11 +424,10 @@ def _run_copies(tasks: list[tuple[Source, int, int, int]], lease: Lease, copy_th
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(e)
 
-    helpers = [threading.Thread(target=work, name=f"ckpt-stage-{i}", daemon=True) for i in range(nthreads - 1)]
-    for h in helpers:
-        h.start()
+    ex = _copier(nthreads - 1)
+    helpers = [ex.submit(work) for _ in range(nthreads - 1)]
     work()
     for h in helpers:
-        h.join()
+        h.result()
     if errors:
         raise errors[0]
