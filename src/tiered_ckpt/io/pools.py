@@ -170,6 +170,11 @@ class StagingArea:
     def in_use(self) -> bool:
         return self._busy
 
+    @property
+    def pinned(self) -> bool:
+        """Page-locked for device-to-host copies (a save of CUDA tensors did it)."""
+        return self._unpin is not None
+
     def lease(self, nbytes: int, timeout: float) -> Lease:
         """Hold the area, at least `nbytes` of it, waiting up to `timeout` s for the save holding it."""
         deadline = time.monotonic() + timeout
