@@ -55,7 +55,7 @@ class IoConfig:
     files_per_rank: int = 8           # shards per rank (one file per writer keeps OSTs busy)
     block_size: int = 16 << 20        # request size; >= 4 MiB aligned writes suit Lustre
     direct: bool = True               # O_DIRECT for data files
-    staging_bytes: int = 4 << 30      # host staging area for async saves
+    staging_bytes: int = 4 << 30      # budget of the async staging area (mapped as needed, up to this)
     sync_buffer_bytes: int = 256 << 20  # extra memory a synchronous save may use
 
 
