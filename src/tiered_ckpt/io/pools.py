@@ -203,11 +203,11 @@ class StagingArea:
         try:
             mem = _mapping(size)
         except (MemoryError, OverflowError, ValueError) as e:
-            raise _no_memory("staging", size, ALIGN, str(e) or type(e).__name__) from None
+            raise _no_staging(size, str(e) or type(e).__name__) from None
         except OSError as e:
             if e.errno not in (errno.ENOMEM, errno.EOVERFLOW, errno.EINVAL, errno.EAGAIN):
                 raise
-            raise _no_memory("staging", size, ALIGN, e.strerror or str(e)) from None
+            raise _no_staging(size, e.strerror or str(e)) from None
         self._mem, self._view = mem, memoryview(mem)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(mem))
         self.nbytes = size
@@ -259,6 +259,12 @@ class StagingArea:
                 self.releases += 1
             self.peak_bytes = 0
             return freed
+
+
+def _no_staging(size: int, why: str) -> ConfigError:
+    return ConfigError(f"cannot map {_gib(size)} of async staging memory for this save ({why}); lower "
+                       "io.staging_bytes in the node config (or options=IoOptions(staging_bytes=...)): a state larger "
+                       "than it streams through that much instead; or free memory on this node")
 
 
 class Lease:
@@ -330,9 +336,10 @@ def snapshot(sources: list[Source], *, budget: int, block_size: int, ring_bytes:
     ring = ring_bs * ring_n
     area = _staging
     if ring + total > budget:
-        lease = area.lease(budget, timeout)
+        bs, n = block_geometry(budget, block_size)        # two blocks at least, even for a tiny budget
+        lease = area.lease(bs * n, timeout)
         try:
-            pool = BlockPool(budget, block_size, memory=(lease.view, lease.address))
+            pool = BlockPool(bs * n, bs, memory=(lease.view, lease.address))
         except BaseException:
             lease.close()
             raise
