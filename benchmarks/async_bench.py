@@ -16,6 +16,8 @@ that saves under `tmp` (created; checkpoints removed afterwards) and returns:
   * ``write_s_1`` / ``write_s_2``: call to committed; ``train_base`` (iterations/s of a CPU-bound
     pure-Python loop with no checkpoint), ``train_during_1/2`` (the same loop while the
     background write runs), ``train_kept`` = train_during_2 / train_base (goal >= 0.90);
+    ``blocked_s_best``, ``ratio_best``, ``train_kept_best``: the best of the 2nd to 4th saves
+    (steady state; the floor is a best-of-3 too, so a loaded machine is judged alike);
   * ``small_first_s`` (first async_save of a 4 KiB tensor with the default 4 GiB budget, to
     committed), ``small_blocked_s``, ``small_rss_added`` (bytes of RSS it added) and
     ``small_staging_bytes`` (what the staging area mapped for it);
@@ -160,8 +162,9 @@ def _child(tmp: Path, size: int) -> dict[str, Any]:
         end = time.perf_counter() + 0.5
         base.append(_spin(lambda e=end: time.perf_counter() >= e))
     out["train_base"] = max(base)
-    # 3. Two async saves; the loop runs while each one writes in the background.
-    for k in (1, 2):
+    # 3. Async saves; the loop runs while each one writes in the background. 1: first (maps the
+    # staging), 2: steady state; 3 and 4 only for the best steady-state figure (a loaded machine).
+    for k in (1, 2, 3, 4):
         t = time.perf_counter()
         h = tc.async_save(state, epoch=0, step=k, config=cfg)
         out[f"blocked_s_{k}"] = time.perf_counter() - t
@@ -170,6 +173,9 @@ def _child(tmp: Path, size: int) -> dict[str, Any]:
         out[f"write_s_{k}"] = time.perf_counter() - t
         out[f"ratio_{k}"] = out[f"blocked_s_{k}"] / out["floor_s"]
     out["train_kept"] = out["train_during_2"] / out["train_base"]
+    out["blocked_s_best"] = min(out[f"blocked_s_{k}"] for k in (2, 3, 4))
+    out["ratio_best"] = out["blocked_s_best"] / out["floor_s"]
+    out["train_kept_best"] = max(out[f"train_during_{k}"] for k in (2, 3, 4)) / out["train_base"]
     out["staging_bytes"] = pools.staging_area().nbytes
     out["staging_mappings"] = pools.staging_area().mappings
     for c in scan(tmp, cfg.model):
