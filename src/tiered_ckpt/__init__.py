@@ -1,13 +1,13 @@
 """Tiered checkpoints on Azure: the node toolkit.
 
-Training code uses save / async_save / load / latest (see tiered_ckpt.api) and IoOptions (see
+Training code uses save / async_save / load / latest / release_staging (see tiered_ckpt.api) and IoOptions (see
 tiered_ckpt.io.options); they are loaded lazily so the CLI starts fast.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["save", "async_save", "load", "latest", "IoOptions"]
+__all__ = ["save", "async_save", "load", "latest", "release_staging", "IoOptions"]
 
 
 def __getattr__(name: str) -> Any:

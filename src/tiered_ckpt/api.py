@@ -5,6 +5,7 @@
     h = tc.async_save(state, epoch=3, step=13000)   # returns once snapshotted
     ...; h.wait()                                   # committed (or raises)
     state = tc.load()                               # newest committed checkpoint
+    tc.release_staging()                            # give async_save's staging memory back
 
 Settings come from the node config ($TIERED_CKPT_CONFIG, else /etc/tiered-ckpt/config.yaml;
 or config=) unless passed: root=, model=, and the I/O knobs as one `IoOptions` (options=),
@@ -34,9 +35,9 @@ from tiered_ckpt.io import pools as staging
 from tiered_ckpt.io import reader, writer
 from tiered_ckpt.io.layout import SAVE_ID
 from tiered_ckpt.io.nested import flatten_state
-from tiered_ckpt.io.options import IoOptions
+from tiered_ckpt.io.options import IoOptions, WriteOptions
 from tiered_ckpt.io.save_commit import note_failure
-from tiered_ckpt.io.sources import to_sources
+from tiered_ckpt.io.sources import Source, to_sources
 from tiered_ckpt.io.writer import SaveResult
 from tiered_ckpt.lifecycle import reuse
 from tiered_ckpt.logs import fields
@@ -48,19 +49,49 @@ log = logging.getLogger(__name__)
 
 
 class SaveHandle:
-    """An async save in flight: wait() -> SaveResult (raises its error), done(), exception()."""
+    """An async save in flight: wait() -> SaveResult (raises its error), done(), exception().
+
+    A failure nobody asked for (neither wait() nor exception() called) is raised by the next
+    async_save of the process instead, before it starts.
+    """
 
     def __init__(self, future: Future[SaveResult], name: str) -> None:
         self._f, self.name = future, name
+        self.seen = False          # the caller has been given the outcome
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        return self._f.result(timeout)
+        try:
+            return self._f.result(timeout)
+        finally:
+            self.seen = self._f.done()
 
     def done(self) -> bool:
         return self._f.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._f.exception(timeout)
+        err = self._f.exception(timeout)
+        self.seen = True       # returned: the save ended (a timeout raises instead)
+        return err
+
+    def _wait_quietly(self) -> BaseException | None:
+        return self._f.exception()
+
+
+_previous: list[SaveHandle] = []       # this process's last async save (at most one)
+_previous_lock = threading.Lock()
+
+
+def _previous_outcome() -> None:
+    """Before an async save: wait for the previous one (its staging memory is reused) and raise
+    its failure if the caller never looked (otherwise it would go unnoticed)."""
+    with _previous_lock:
+        prev = _previous.pop() if _previous else None
+    if prev is None:
+        return
+    err = prev._wait_quietly()
+    if err is not None and not prev.seen:
+        prev.seen = True
+        raise err
 
 
 def _cfg(config: config_mod.NodeConfig | None, root: str | Path | None, model: str | None) -> config_mod.NodeConfig:
@@ -94,8 +125,12 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
            rank: int | None, world_size: int | None, group: Any, save_id: str | None, options: IoOptions,
            pool_kind: str, progress: Callable[[int], None] | None,
            replicated: Collection[str] | None = None,
-           made: dict[str, Any] | None = None) -> tuple[writer.Save, config_mod.NodeConfig]:
-    """Set up one rank's save; `made` (the caller's, for its error record) gets cfg, cid, save."""
+           made: dict[str, Any] | None = None,
+           stage: Callable[[list[Source], WriteOptions, config_mod.IoConfig],
+                           tuple[list[Source], staging.BlockPool, bool]] | None = None
+           ) -> tuple[writer.Save, config_mod.NodeConfig]:
+    """Set up one rank's save; `made` (the caller's, for its error record) gets cfg, cid, save;
+    `stage` (async_save's) snapshots the sources into staging memory instead of a write pool."""
     options = _require_options(options)
     comm = detect(rank, world_size, group, timeout=options.barrier_timeout)
     made = {} if made is None else made
@@ -115,11 +150,16 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
             assert structure is not None
             sources, structure, record = writer.split_replicated(sources, structure, rep_keys, comm.rank,
                                                                  comm.world_size)
-        pool = staging.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
+        background = False
+        if stage is not None:
+            sources, pool, background = stage(sources, opts, cfg.io)
+        else:
+            pool = staging.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
         s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
                                        overwrite_incomplete=options.overwrite_incomplete, save_id=save_id,
                                        progress=progress, structure=structure, replicated=record,
                                        name_check=reuse.checks_for(cfg.root, cfg.model, cid.name, cfg.archive))
+        s.start_in_produce = background
         return s.prepare_local()
 
     def failed(exc: BaseException) -> None:
@@ -288,31 +328,54 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
                progress: Callable[[int], None] | None = None, replicated: Collection[str] | None = None) -> SaveHandle:
     """Start a save; returns once the buffers are snapshotted into the staging area.
 
-    A checkpoint larger than the staging area (io.staging_bytes, or options.staging_bytes)
-    streams through it: the call returns once the remainder fits. With zero_copy=True nothing is
+    The staging area (io.pools.staging_area) holds what this save needs, no more: it grows the
+    first time a save needs more, is reused by later saves, and is freed by release_staging().
+    Its budget is io.staging_bytes (or options.staging_bytes): a checkpoint that needs more
+    streams through a ring of that size, and the call returns once the remainder fits. CUDA
+    tensors are copied on a side stream into page-locked staging.
+
+    One async save runs at a time: the next one first waits for this one to end (and raises its
+    failure if neither wait() nor exception() was called). With zero_copy=True nothing is
     snapshotted and the call returns at once (the save streams through the sync buffer); the
     caller must not touch its buffers until wait() returns (a size change is detected and fails
     the save; nothing is committed). replicated= as for save() (hashed before the call returns).
     """
     called = time.monotonic()
+    _previous_outcome()      # the previous save's unseen failure is its own, not logged as this one's
     made: dict[str, Any] = {}
+    snaps: list[staging.Snapshot] = []
+
+    def stage(sources: list[Source], opts: WriteOptions,
+              io: config_mod.IoConfig) -> tuple[list[Source], staging.BlockPool, bool]:
+        snap = staging.snapshot(sources, budget=options.pool_bytes("staging", io), block_size=opts.block_size,
+                                ring_bytes=min(options.pool_bytes("sync", io), opts.threads * opts.block_size),
+                                copy_threads=opts.copy_threads, timeout=opts.barrier_timeout)
+        snaps.append(snap)
+        return snap.sources, snap.pool, not snap.streaming     # staged: the writers start in the background
+
     try:
         s, cfg = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
-                        world_size=world_size, group=group, save_id=save_id, options=options,
-                        pool_kind="sync" if zero_copy else "staging", progress=progress, replicated=replicated,
-                        made=made)
+                        world_size=world_size, group=group, save_id=save_id, options=_require_options(options),
+                        pool_kind="sync", progress=progress, replicated=replicated,
+                        stage=None if zero_copy else stage, made=made)
+        # Staged copies are written in the background; a state beyond the budget streams from the caller's thread.
+        fut = writer.run_async(s, zero_copy or not snaps[0].streaming)
     except BaseException as e:
+        for snap in snaps:
+            snap.close()
         _failed("async_save", *_known(made, model, name), called, e)
         raise
-    fut = writer.run_async(s, zero_copy)
     blocked = time.monotonic() - called
-    if s.comm.rank == 0:
-        records.record(s.root, s.model, records.ASYNC_SAVE, {"name": s.cid.name, "blocked_seconds": blocked})
-        log.debug("async save of %s snapshotted; the caller was blocked %.3fs", s.cid.name, blocked,
-                  extra=fields("async_save", model=s.model, checkpoint=s.cid.name, duration_s=blocked,
-                               outcome="started", blocked_seconds=blocked))
+    if snaps:
+        fut.add_done_callback(lambda f: snaps[0].close())
 
     def done(f: Future[SaveResult]) -> None:
+        # In the background thread (a record is a file write: not in the caller's blocked time).
+        if s.comm.rank == 0:
+            records.record(s.root, s.model, records.ASYNC_SAVE, {"name": s.cid.name, "blocked_seconds": blocked})
+            log.debug("async save of %s snapshotted; the caller was blocked %.3fs", s.cid.name, blocked,
+                      extra=fields("async_save", model=s.model, checkpoint=s.cid.name, duration_s=blocked,
+                                   outcome="started", blocked_seconds=blocked))
         if f.cancelled():
             return
         e = f.exception()
@@ -322,7 +385,16 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
             _failed("save", s.model, s.cid.name, called, e)
 
     fut.add_done_callback(done)
-    return SaveHandle(fut, s.cid.name)
+    handle = SaveHandle(fut, s.cid.name)
+    with _previous_lock:
+        _previous[:] = [handle]
+    return handle
+
+
+def release_staging() -> int:
+    """Free async_save's staging memory now (or when the save holding it ended); the bytes
+    freed now. The next async_save maps what it needs again (a first-save cost)."""
+    return staging.release_staging()
 
 
 def latest(*, root: str | Path | None = None, model: str | None = None,

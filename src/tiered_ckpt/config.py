@@ -195,7 +195,7 @@ class IoConfig:
     files_per_rank: PositiveInt = 8   # shards per rank (one file per writer keeps OSTs busy)
     block_size: BlockSize = 16 << 20  # request size; >= 4 MiB aligned writes suit Lustre
     direct: Flag = True               # O_DIRECT for data files
-    staging_bytes: Size = 4 << 30     # host staging area for async saves
+    staging_bytes: Size = 4 << 30     # budget of the async staging area (mapped as needed, up to this)
     sync_buffer_bytes: Size = 256 << 20  # extra memory a synchronous save may use
 
 

@@ -16,7 +16,13 @@ aligned host memory, pinned when CUDA is available (device-to-host copies run at
 asynchronously), in shared memory with ``share_memory=True`` (what
 ``async_checkpointer_type=AsyncCheckpointerType.PROCESS`` needs: DCP pickles the staged state to
 its background process, and shared storages travel as handles instead of copies). It is made
-once, sized to the state being saved, and reused by later saves.
+once, sized to the state being saved, and reused by later saves; `close()` gives back the
+memory no save holds (DCP calls it when its checkpointer closes; call it to free the staging
+between saves). `pool_bytes` and `peak_bytes` say what it holds.
+
+CUDA tensors are copied on a side stream per device (non_blocking, into pinned memory), which
+first waits for the device's current stream; `stage` returns once an event recorded after the
+last copy completed, so the caller may change its tensors right away.
 
 Memory budget (``budget_bytes``, default the node config's io.staging_bytes, 4 GiB): the pool
 never holds more. An extent is freed when this process's TieredWriter has written the save
@@ -205,7 +211,7 @@ class TieredStager(AsyncStager):
         extents: list[tuple[_Chunk | None, int, int]] = []
         memo: dict[int, Any] = {}
         regions: list[tuple[int, int]] = []
-        cuda = False
+        side = _SideStreams(self.pin)
         try:
             for group in sorted(groups, key=lambda g: -sum(sizes[i] for i in g)):
                 total = sum(sizes[i] for i in group)
@@ -222,11 +228,12 @@ class TieredStager(AsyncStager):
                         regions.append((chunk.address + pos, chunk.address + pos + n))
                     else:
                         dst = torch.empty(src.shape, dtype=src.dtype)
-                    cuda = cuda or src.device.type == "cuda"
-                    dst.copy_(src.detach(), non_blocking=self.pin and src.device.type == "cuda")
+                    side.copy(dst, src.detach())
                     memo[i] = _rewrap(t, dst)
                     pos += sizes[i]
+            side.wait()          # the device-to-host copies are complete before the caller changes its tensors
         except BaseException:
+            side.wait()
             for chunk, off, total in extents:
                 self._free(chunk, off, total)
             raise
@@ -235,8 +242,6 @@ class TieredStager(AsyncStager):
             loc = _local(t)
             memo[i] = t
             regions.append((loc.data_ptr(), loc.data_ptr() + max(1, loc.numel() * loc.element_size())))
-        if cuda:
-            torch.cuda.synchronize()      # the pinned copies are complete before the caller changes its tensors
         staged = copy.deepcopy(state_dict, memo)
         if regions:
             ticket = self._ticket(extents, regions, bool(live_ids), [memo[i] for i in staged_ids])
@@ -334,6 +339,43 @@ class TieredStager(AsyncStager):
         for obj in staged:
             weakref.finalize(obj, gone)
         return ticket
+
+
+class _SideStreams:
+    """Device-to-host copies on a side stream per device, completed by one event each.
+
+    Each side stream first waits for the device's current stream (pending writes to the
+    tensors); the copies are non_blocking into pinned memory (asynchronous DMA) and the source
+    tensors are recorded on the side stream, so the caching allocator keeps their memory until
+    the copies ran (pytorch.org/docs/stable/notes/cuda.html#cuda-streams). Host tensors are
+    copied at once (torch's CPU copy_ releases the GIL and uses the intra-op threads).
+    """
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._streams: dict[torch.device, Any] = {}
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.device.type != "cuda":
+            dst.copy_(src)
+            return
+        side = self._streams.get(src.device)
+        if side is None:
+            side = self._streams[src.device] = torch.cuda.Stream(device=src.device)
+            side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=self.pinned)
+        src.record_stream(side)
+
+    def wait(self) -> None:
+        streams, self._streams = self._streams, {}
+        events = []
+        for side in streams.values():
+            ev = torch.cuda.Event()
+            ev.record(side)
+            events.append(ev)
+        for ev in events:
+            ev.synchronize()
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import pipeline, writer
+from tiered_ckpt.io import pipeline, pools, writer
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
 
@@ -164,16 +164,23 @@ def test_async_failure_is_reported_by_the_handle(cfg: NodeConfig, root: Path, mo
 
 
 def paused_fill(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """Hold the writer before it copies the buffers: (started, resume) events for a test to resize in between."""
+    """Hold the copy of the buffers (the writer's, or the async snapshot's into staging): (started, resume)
+    events for a test to resize in between."""
     started, resume = threading.Event(), threading.Event()
-    real_fill = pipeline.Pipeline._fill
+    real_fill, real_stage = pipeline.Pipeline._fill, pools._copy_one
 
     def fill(self: pipeline.Pipeline, *a: object) -> None:
         started.set()
         resume.wait(30)
         real_fill(self, *a)  # type: ignore[arg-type]
 
+    def stage(*a: Any) -> None:
+        started.set()
+        resume.wait(30)
+        real_stage(*a)
+
     monkeypatch.setattr(pipeline.Pipeline, "_fill", fill)
+    monkeypatch.setattr(pools, "_copy_one", stage)
     return started, resume
 
 

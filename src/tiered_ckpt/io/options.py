@@ -54,8 +54,9 @@ class IoOptions:
     ``io.sync_buffer_bytes`` (default 256 MiB)."""
 
     staging_bytes: int | None = None
-    """Host staging area an async save snapshots into; a larger checkpoint streams through it.
-    Config: ``io.staging_bytes`` (default 4 GiB)."""
+    """The most host memory an async save's staging area may map (it maps what the save needs,
+    no more); a checkpoint that needs more streams through this much. Config:
+    ``io.staging_bytes`` (default 4 GiB)."""
 
     barrier_timeout: float = 600.0
     """Seconds ranks wait for each other at each agreement (torch.distributed collectives, or

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -65,6 +65,53 @@ class Source:
         if now[1] != self.signature[1]:
             return f"buffer {self.name!r} was reallocated (moved in memory) during the save"
         return None
+
+
+def pin_host(address: int, nbytes: int) -> Callable[[], None] | None:
+    """Page-lock host memory for device-to-host copies (cudaHostRegister, CUDA runtime API):
+    the unpin function, or None without CUDA or when the driver refuses (the copies then still
+    work, staged through the driver's own pinned buffer, at a lower rate)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(address, nbytes, 1)) != 0:     # 1: cudaHostRegisterPortable
+        return None
+
+    def unpin() -> None:
+        cudart.cudaHostUnregister(address)
+
+    return unpin
+
+
+def copy_from_device(pairs: list[tuple[Any, memoryview]]) -> None:
+    """Copy flat uint8 device tensors into host views, on a side stream, and wait for them.
+
+    The side stream first waits for the caller's current stream (the tensors' pending writes);
+    the copies are non_blocking (asynchronous into pinned pages), and one event synchronised at
+    the end makes them complete before the caller may change its tensors and before anything
+    writes the host bytes (CUDA semantics: pytorch.org/docs/stable/notes/cuda.html#cuda-streams).
+    """
+    import torch
+
+    by_device: dict[Any, list[tuple[Any, memoryview]]] = {}
+    for src, out in pairs:
+        by_device.setdefault(src.device, []).append((src, out))
+    events = []
+    for device, items in by_device.items():
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for src, out in items:
+                    if len(out):
+                        torch.frombuffer(out, dtype=torch.uint8).copy_(src, non_blocking=True)
+                        src.record_stream(side)      # the allocator keeps its memory until the copy ran
+            ev = torch.cuda.Event()
+            ev.record(side)
+            events.append(ev)
+    for ev in events:
+        ev.synchronize()
 
 
 def _is_torch(obj: Any) -> bool:

@@ -91,6 +91,9 @@ class Save:
         self._marker_attempted = False                # from here on nothing of this save is deleted
         self._noted = False
         self._closed = False
+        # Start the writer threads when produce() runs, not at the prepare agreement: an async
+        # save whose snapshot is staged produces in the background, off the caller's blocked time.
+        self.start_in_produce = False
         self.file_mode = comm.world_size > 1 and not comm.uses_torch
         if save_id is not None:
             save_id = require_save_id(save_id)
@@ -235,7 +238,8 @@ class Save:
         self.files = plan([s.nbytes for s in self.sources], self.opts.files, self.comm.rank, self.save_id)
         self.pipeline = Pipeline(self.dir, self.dfd, self.files, self.sources, self.pool, self.opts, self.progress)
         self.pipeline.rank = self.comm.rank
-        self.pipeline.start()
+        if not self.start_in_produce:
+            self.pipeline.start()
 
     def fail(self, exc: BaseException) -> None:
         """Record a local failure: the next agreement reports it to every rank."""
@@ -248,6 +252,8 @@ class Save:
         if self._pending is not None or self.pipeline is None:
             return
         try:
+            if self.start_in_produce:
+                self.pipeline.start()
             self.pipeline.produce()
         except BaseException as e:  # noqa: BLE001 - reported at the next agreement
             self.fail(e)
