@@ -27,9 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tiered_ckpt.errors import ConfigError, IntegrityError, UserError
 from tiered_ckpt.io import sources as srcs
+from tiered_ckpt.io.posix import ALIGN
 from tiered_ckpt.io.sources import Source
-
-ALIGN = 4096
 
 
 class Aborted(Exception):

@@ -17,6 +17,10 @@ from typing import Any
 from tiered_ckpt.errors import EXIT_CONFLICT, UserError
 from tiered_ckpt.io import fsafe
 
+# O_DIRECT's alignment of file offsets, lengths and buffer addresses: the logical block size, at most
+# the 4 KiB page on the file systems we write (open(2), "O_DIRECT"). Every aligned size in io/ uses it.
+ALIGN = 4096
+
 _SMALL_LIMIT = 256 << 20       # part manifests and notes: far larger than any real one
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io.pools import ALIGN
+from tiered_ckpt.io.posix import ALIGN
 
 
 @runtime_checkable
