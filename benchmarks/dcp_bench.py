@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import BENCH_ERROR
+from benchmarks import BENCH_ERROR, report, tools_missing
 from benchmarks.io_bench import _fio
 
 REPO = Path(__file__).resolve().parent.parent
@@ -631,30 +631,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if shutil.which("fio") is None:
-        print("fio not found: run `make install` (installs Debian's fio)", file=sys.stderr)
-        return BENCH_ERROR
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("torch not installed: the DCP benchmark compares torch.distributed.checkpoint writers "
-              "(`make install` installs the pinned CPU torch)", file=sys.stderr)
+    if tools_missing("the DCP benchmark compares torch.distributed.checkpoint writers"):
         return BENCH_ERROR
     est = _state_bytes_estimate(args.params, args.small)
     print(f"DCP benchmark: state {est / (1 << 30):.2f} GiB ({est / 3 / (1 << 30):.2f} GiB parameters + AdamW), "
           f"{args.rounds} rounds, {args.many:,} x 4 KiB per-tensor test, on {Path(args.dir).resolve()}",
           file=sys.stderr, flush=True)
     res = run(args, lambda line: print(line, file=sys.stderr, flush=True))
-    out = REPO / ".bench" / "dcp_results.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(res))
-    else:
-        print(render(res))
-        print(f"results: {out}")
-    return 0 if all(res["met"].values()) else 1      # reported by benchmarks/__main__.py, not a failed make
-
+    return report(res, REPO / ".bench" / "dcp_results.json", args.json, render)
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":

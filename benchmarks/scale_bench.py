@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import BENCH_ERROR, GOALS_MISSED
+from benchmarks import BENCH_ERROR, report, tools_missing
 from benchmarks.dcp_bench import _drop_caches, _fill, _rotate, _seed, _stats, build_many
 from benchmarks.io_bench import _fio
 from tiered_ckpt.config import IoConfig
@@ -711,14 +711,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if shutil.which("fio") is None:
-        print("fio not found: run `make install` (installs Debian's fio)", file=sys.stderr)
-        return BENCH_ERROR
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("torch not installed: the scale benchmark saves torch state dicts and compares with torch.save "
-              "(`make install` installs the pinned CPU torch)", file=sys.stderr)
+    if tools_missing("the scale benchmark saves torch state dicts and compares with torch.save"):
         return BENCH_ERROR
     est = _bytes_estimate(args.scale, args.small)
     print(f"scale benchmark: state ~{est / GIB:.2f} GiB, {args.rounds} rounds, {args.many:,} x 4 KiB, "
@@ -729,16 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scale benchmark failed: {e}", file=sys.stderr)
         return BENCH_ERROR
     res["table"] = [dict(zip(("goal", "measured", "threshold", "met"), row, strict=True)) for row in rows(res)]
-    out = REPO / ".bench" / "scale_results.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(res))
-    else:
-        print(render(res))
-        print(f"results: {out}")
-    return 0 if all(res["met"].values()) else GOALS_MISSED     # in the table; not an error of the bench
-
+    return report(res, REPO / ".bench" / "scale_results.json", args.json, render)
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
