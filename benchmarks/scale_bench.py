@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import BENCH_ERROR, report, tools_missing
-from benchmarks.dcp_bench import _drop_caches, _fill, _rotate, _seed, _stats, build_many
+from benchmarks.dcp_bench import _drop_caches, _fill, _rotate, _seed, _stats, build_many, expected, tensor_bytes
 from benchmarks.io_bench import _fio
 from tiered_ckpt.config import IoConfig
 
@@ -150,20 +150,6 @@ def key_paths(obj: Any, prefix: str = "") -> Iterator[str]:
             yield from key_paths(v, f"{prefix}[{i}]")
 
 
-def state_bytes(obj: Any) -> tuple[int, int]:
-    """(bytes, tensors) in a nested state."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size(), 1
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    total = count = 0
-    for v in items:
-        b, c = state_bytes(v)
-        total, count = total + b, count + c
-    return total, count
-
-
 def check_loaded(what: str, got: dict[str, Any]) -> bool:
     """Spot check of contents after a load (not timed): tensors from the start, middle and end, steps."""
     import torch
@@ -172,18 +158,14 @@ def check_loaded(what: str, got: dict[str, Any]) -> bool:
     keys = list(model)
     for k in {keys[0], keys[len(keys) // 3], keys[2 * len(keys) // 3], keys[-1]}:
         t = model[k]
-        want = torch.empty_like(t)
-        _fill(want, _seed(k))
-        if not torch.equal(t, want):
+        if not torch.equal(t, expected(k, t)):
             return False
     if what == "state":
         names = keys                 # the optimizer numbers parameters in the module's order
         st = got["optim"]["state"]
         for i in {0, len(names) // 2, len(names) - 1}:
             for m in ("exp_avg", "exp_avg_sq"):
-                want = torch.empty_like(st[i][m])
-                _fill(want, _seed(f"{names[i]}.{m}"))
-                if not torch.equal(st[i][m], want):
+                if not torch.equal(st[i][m], expected(f"{names[i]}.{m}", st[i][m])):
                     return False
             if float(st[i]["step"]) != STEP:
                 return False
@@ -262,7 +244,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         state = _fixture(spec, fill=True)
         res["build_s"] = time.perf_counter() - t0
-        res["bytes"], res["tensors"] = state_bytes(state)
+        res["bytes"], res["tensors"] = tensor_bytes(state)
         with _Peak() as peak:
             t = time.perf_counter()
             if who == "ours":
@@ -285,7 +267,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             got = torch.load(torch_file, weights_only=True)
         res["seconds"] = time.perf_counter() - t
-        res["bytes"], res["tensors"] = state_bytes(got)
+        res["bytes"], res["tensors"] = tensor_bytes(got)
         res["key_order"] = list(key_paths(got)) == want
         res["same_keys"] = sorted(key_paths(got)) == sorted(want)
         res["verified"] = check_loaded(what, got)
@@ -344,7 +326,7 @@ def _async(spec: dict[str, Any], cfg: Any) -> dict[str, Any]:
     import tiered_ckpt as tc
 
     state = build_state(spec["scale"], spec["small"], fill=True)
-    nbytes, _ = state_bytes(state)
+    nbytes, _ = tensor_bytes(state)
     out: dict[str, Any] = {"bytes": nbytes, "memcpy_GBps": _memcpy_GBps(nbytes)}
     out["floor_s"] = nbytes / out["memcpy_GBps"] / 1e9
     base0, _ = _train_rate(2.0)
