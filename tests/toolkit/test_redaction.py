@@ -106,9 +106,9 @@ def test_json_and_error_output_are_redacted_in_process(capsys: pytest.CaptureFix
     stderr.print(f"[yellow]warning:[/] listing failed: ...&sig={SECRET} " + "x" * 200)
     import logging
 
-    from tiered_ckpt.cli.output import install_log_redaction
+    from tiered_ckpt import logs
 
-    install_log_redaction()
+    logs.configure("text", "warning")      # what the CLI installs: logging goes through the redacting handler
     logging.getLogger("azure.core").warning("request to %s failed", f"http://h/c?sig={SECRET}")
     out, err = capsys.readouterr()
     assert not _leaks(out + err), out + err

@@ -101,11 +101,6 @@ def write_err(text: str) -> None:
     sys.stderr.flush()
 
 
-def install_log_redaction(level: int = logging.WARNING) -> None:
-    """Route logging through logs.RedactingHandler (instead of logging's unredacted lastResort)."""
-    logs.configure("text", logging.getLevelName(level).lower())
-
-
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     t = Table(title=redact(title), title_justify="left")
     for c in columns:
