@@ -112,8 +112,13 @@ def _append_history(d: Path, entry: dict[str, Any]) -> None:
                 os.replace(p, d / HISTORY_OLD)
         except FileNotFoundError:
             pass
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o664)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o664)
         try:
+            size = os.fstat(fd).st_size
+            # A writer killed mid-line left no newline: start a new line, or this record would be
+            # glued to the torn one and be unreadable too.
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line
             os.write(fd, line)
         finally:
             os.close(fd)
