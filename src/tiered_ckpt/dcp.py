@@ -567,21 +567,24 @@ class TieredReader(StorageReader):
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Every requested byte range read by several threads straight into its destination
-        (io/fill.py: O_DIRECT where the file's pages and the memory line up, small items coalesced);
-        a whole saved tensor lands in the destination tensor when its dtype, shape and layout allow
-        (no intermediate buffer, no copy), then every item is handed to the planner."""
+        (io/fill.py: O_DIRECT wherever the file's pages allow, whatever the destination's address;
+        small items coalesced). A request for a whole saved tensor, or for a part of one that is
+        one byte range (a resharded load's rows), lands in the destination tensor itself when its
+        dtype, shape and layout allow (no intermediate buffer, no copy); otherwise only the bytes
+        asked for are read into a page-aligned buffer and copied. Then every item goes to the planner."""
         sizes = {f.path: f.size for f in self.manifest.files}
         pieces: dict[str, Pieces] = {}
-        items: list[tuple[Any, _Stored, Any, memoryview]] = []
+        items: list[tuple[Any, _Stored, Any, memoryview, bool]] = []
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if not isinstance(info, _Stored):
                 raise IntegrityError(f"{self.path}: DCP metadata has no valid location for {req.storage_index.fqn!r}; "
                                      "restore the checkpoint from the archive (tiered-ckpt restore)")
             _check_stored(self.path, info, sizes)
-            dest, view = _destination(req, info, planner)
-            pieces.setdefault(info.relative_path, []).append((info.offset, info.length, view))
-            items.append((req, info, dest, view))
+            off, n, part = _byte_range(self.path, req, info)
+            dest, view = _destination(req, info, planner, off, n, part)
+            pieces.setdefault(info.relative_path, []).append((off, n, view))
+            items.append((req, info, dest, view, part))
         files = [f for f in self.manifest.files if f.path in pieces]
         bufs = pools.pool("read", self.io.threads * self.io.block_size, self.io.block_size)
 
@@ -592,7 +595,7 @@ class TieredReader(StorageReader):
                              check_hash=False, stream=stream, progress=None, anchor=self.root)
         if problems:
             raise IntegrityError("; ".join(problems) + "; restore the checkpoint from the archive (tiered-ckpt restore)")
-        for req, info, dest, view in items:
+        for req, info, dest, view, part in items:
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(view.tobytes()))
                 continue
@@ -601,8 +604,11 @@ class TieredReader(StorageReader):
                 continue
             assert info.dtype is not None and info.shape is not None
             dtype = getattr(torch, info.dtype)
-            t = torch.frombuffer(view, dtype=dtype) if info.length else torch.empty(0, dtype=dtype)
-            t = narrow_tensor_by_index(t.reshape(info.shape), req.storage_offsets, req.lengths)
+            t = torch.frombuffer(view, dtype=dtype) if len(view) else torch.empty(0, dtype=dtype)
+            if part:
+                t = t.reshape(tuple(req.lengths))
+            else:
+                t = narrow_tensor_by_index(t.reshape(info.shape), req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != t.size():
                 raise IntegrityError(f"{self.path / info.relative_path}: item {req.storage_index.fqn} has shape "
@@ -611,17 +617,61 @@ class TieredReader(StorageReader):
             planner.commit_tensor(req, target)
 
 
-def _destination(req: Any, info: _Stored, planner: LoadPlanner) -> tuple[Any, memoryview]:
-    """(the destination tensor when the bytes go straight into it, else None; the buffer to read into)."""
-    if req.type == LoadItemType.BYTE_IO or not info.length:
-        return None, memoryview(bytearray(info.length))
-    whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(info.shape or ())
-    if whole:
+def _byte_range(path: Path, req: Any, info: _Stored) -> tuple[int, int, bool]:
+    """(file offset, bytes, whether that is only the part asked for) to read for one request.
+
+    A part of a saved tensor (storage_offsets/lengths: resharding) is one byte range of its
+    row-major bytes when every dimension before some k is asked for one index and every one
+    after k in full; then only it is read. Otherwise the whole item is."""
+    if req.type == LoadItemType.BYTE_IO or info.shape is None or info.dtype is None:
+        return info.offset, info.length, False
+    shape, offs, lens = tuple(info.shape), tuple(req.storage_offsets), tuple(req.lengths)
+    if len(offs) != len(shape) or len(lens) != len(shape) or any(
+            not (0 <= o and 0 <= n and o + n <= d) for o, n, d in zip(offs, lens, shape, strict=True)):
+        raise IntegrityError(f"{path / info.relative_path}: DCP asks for {_box(offs, lens)} of item "
+                             f"{req.storage_index.fqn}, which has shape {shape}; the checkpoint's metadata is "
+                             "damaged — restore it from the archive (tiered-ckpt restore)")
+    if lens == shape:
+        return info.offset, info.length, False
+    k = 0
+    while k < len(shape) and lens[k] == 1:
+        k += 1
+    if any(lens[i] != shape[i] for i in range(k + 1, len(shape))):
+        return info.offset, info.length, False
+    itemsize = getattr(torch, info.dtype).itemsize
+    start, stride = 0, itemsize
+    for i in range(len(shape) - 1, -1, -1):
+        start += offs[i] * stride
+        stride *= shape[i]
+    n = itemsize
+    for d in lens:
+        n *= d
+    return info.offset + start, n, True
+
+
+def _box(offs: tuple[int, ...], lens: tuple[int, ...]) -> str:
+    """A request's index ranges, as [start:end, ...]."""
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offs, lens, strict=False)) + "]"
+
+
+def _destination(req: Any, info: _Stored, planner: LoadPlanner, off: int, n: int,
+                 part: bool) -> tuple[Any, memoryview]:
+    """(the destination tensor when the bytes go straight into it, else None; the buffer to read into).
+
+    Straight in when DCP's destination is a contiguous CPU tensor of the dtype and of the shape
+    read (the whole item, or the part `_byte_range` found); wherever the allocator placed it."""
+    if req.type == LoadItemType.BYTE_IO or not n:
+        return None, memoryview(bytearray(n))
+    shape = tuple(req.lengths) if part else tuple(info.shape or ())
+    if part or (all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == shape):
         target = planner.resolve_tensor(req).detach()
-        if (target.device.type == "cpu" and target.is_contiguous() and tuple(target.shape) == tuple(info.shape or ())
+        if (target.device.type == "cpu" and target.is_contiguous() and tuple(target.shape) == shape
                 and str(target.dtype).removeprefix("torch.") == info.dtype):
             return target, memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    return None, memoryview(bytearray(info.length))
+    # Placed at the file offset's place in its page, so that O_DIRECT lands in it (io/fill.py).
+    raw = torch.empty(n + pools.ALIGN, dtype=torch.uint8)
+    shift = (off - raw.data_ptr()) % pools.ALIGN
+    return None, memoryview(raw[shift:shift + n].numpy())  # type: ignore[arg-type]
 
 
 def _check_stored(path: Path, info: _Stored, sizes: dict[str, int]) -> None:
