@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from benchmarks import BENCH_ERROR, dcp_bench, io_bench, lifecycle_bench, scale_bench
+from benchmarks import dcp_bench, io_bench, lifecycle_bench, scale_bench
+from benchmarks.harness import BENCH_ERROR
 
 # Registered by direct import: a suite that fails to import is an error, not a silent skip.
 SUITES: tuple[tuple[str, str, Callable[[Sequence[str] | None], int]], ...] = (

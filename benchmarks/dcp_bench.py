@@ -25,17 +25,28 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import BENCH_ERROR, report, tools_missing
-from benchmarks.io_bench import _fio
+from benchmarks.harness import (
+    BENCH_ERROR,
+    build_many,
+    disk,
+    drop_caches,
+    expected,
+    fill_tensor,
+    parse_size,
+    report,
+    rotate,
+    seed_of,
+    stats,
+    tensor_bytes,
+    tools_missing,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench"
@@ -49,7 +60,6 @@ GOALS = {
     "many_load_vs_dcp": 2.0,   # <= our time / FileSystemReader's
 }
 FSW_THREADS = (1, 4, 8)
-FIO_JOBS, FIO_BLOCK = 4, 16 << 20        # as the I/O bench runs fio
 # The issue's fixture is 4 GiB of parameters (12 GiB with AdamW, 24 GiB while async staging holds a
 # copy) and 100,000 tensors of 4 KiB (DCP alone takes ~1 min per save of those here): the defaults are
 # scaled to fit a 24 GiB, 2-core machine in ~4 minutes, and the table says so. The scale suite
@@ -59,7 +69,6 @@ ISSUE_PARAMS, ISSUE_MANY = 4 << 30, 100_000
 DEFAULT_PARAMS = "512MiB"
 DEFAULT_SMALL = 1000
 DEFAULT_MANY = 10_000
-MANY_BYTES = 4096
 HIDDEN = 2048                            # layer width at the default size: 16 MiB fp32 square matrices
 
 
@@ -87,31 +96,6 @@ def layout(params: int, small: int) -> list[tuple[str, tuple[int, ...]]]:
     names += [(f"layers.{j % n_layers}.adapters.{j // n_layers}.weight", (sizes[j % len(sizes)],)) for j in range(small)]
     names += [("norm.weight", (d,)), ("pos_embeddings.weight", (big_rows, d)), ("output.weight", (big_rows, d))]
     return names
-
-
-def _fill(t: Any, seed: int) -> None:
-    """Deterministic, incompressible-looking contents at memory-copy speed: slices of one random pool."""
-    import torch
-
-    pool = _POOL.get("p")
-    if pool is None:
-        g = torch.Generator().manual_seed(0)
-        pool = _POOL["p"] = torch.rand(4 << 20, generator=g)      # 16 MiB
-    flat = t.view(-1)
-    n, start = flat.numel(), (seed * 7919) % pool.numel()
-    done = 0
-    while done < n:
-        k = min(n - done, pool.numel() - start)
-        flat[done:done + k].copy_(pool[start:start + k])
-        done += k
-        start = 0
-
-
-_POOL: dict[str, Any] = {}
-
-
-def _seed(key: str) -> int:
-    return zlib.crc32(key.encode())
 
 
 STEP = 1000.0        # every parameter's AdamW step counter (a real optimizer keeps them equal)
@@ -142,55 +126,18 @@ def build_state(params: int, small: int, fill: bool = True) -> dict[str, Any]:
         p = nn.Parameter(torch.empty(shape), requires_grad=True)
         if fill:
             with torch.no_grad():
-                _fill(p, _seed(name))
+                fill_tensor(p, seed_of(name))
         parent.register_parameter(leaf, p)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for name, p in model.named_parameters():
         m, v = torch.empty(p.shape), torch.empty(p.shape)
         if fill:
-            _fill(m, _seed(name + ".exp_avg"))
-            _fill(v, _seed(name + ".exp_avg_sq"))
+            fill_tensor(m, seed_of(name + ".exp_avg"))
+            fill_tensor(v, seed_of(name + ".exp_avg_sq"))
         # A load's destination starts at step 0, so a load that skipped the counters is caught.
         opt.state[p] = {"step": torch.tensor(STEP if fill else 0.0), "exp_avg": m, "exp_avg_sq": v}
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd}
-
-
-def build_many(count: int, fill: bool = True) -> dict[str, Any]:
-    """`count` separate tensors of 4 KiB (each its own storage, as parameters are)."""
-    import torch
-
-    n = MANY_BYTES // 4
-    model = {}
-    for i in range(count):
-        name = f"blocks.{i // 64}.p{i % 64}"
-        t = model[name] = torch.empty(n)
-        if fill:
-            _fill(t, _seed(name))
-    return {"model": model}
-
-
-def expected(key: str, like: Any) -> Any:
-    """What `build_state`/`build_many` put under `key` (a model fqn, or fqn.exp_avg / fqn.exp_avg_sq)."""
-    import torch
-
-    t = torch.empty_like(like)
-    _fill(t, _seed(key))
-    return t
-
-
-def tensor_bytes(obj: Any) -> tuple[int, int]:
-    """(bytes, tensors) in a nested state dict."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size(), 1
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    total = count = 0
-    for v in items:
-        b, c = tensor_bytes(v)
-        total, count = total + b, count + c
-    return total, count
 
 
 def check_loaded(got: dict[str, Any]) -> bool:
@@ -326,17 +273,6 @@ def _async(dcp: Any, state: dict[str, Any], writer: Callable[[int, Path], Any], 
 
 
 # -- the parent: rounds, order, cache, cleanup, table --------------------------------------------
-def _drop_caches() -> bool:
-    """sync, then drop the page cache and the dentry/inode caches (proc(5); needs root)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def _run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     env = os.environ.copy()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), str(REPO), env.get("PYTHONPATH")) if p)
@@ -346,21 +282,6 @@ def _run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         raise RuntimeError(f"DCP bench child {spec['kind']} {spec['who']} failed:\n{p.stderr[-4000:]}")
     d: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
     return d
-
-
-def _rotate(items: list[Any], r: int) -> list[Any]:
-    k = r % len(items)
-    return items[k:] + items[:k]
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
-def _parse_size(text: str, what: str) -> int:
-    from tiered_ckpt.config import parse_size
-
-    return parse_size(text, what)
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None],
@@ -374,7 +295,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
     cold = True
 
     def drop() -> bool:
-        return _drop_caches() if args.drop_caches else False
+        return drop_caches() if args.drop_caches else False
 
     base = {"dir": str(work), "params": args.params, "small": args.small, "many": args.many}
     rounds: list[dict[str, Any]] = []
@@ -403,17 +324,15 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
             done = 0
             rd: dict[str, Any] = {}
             # Storage limit first: fio on the same directory, the same bytes the state holds.
-            size = _state_bytes_estimate(args.params, args.small)
-            size = max(FIO_JOBS * FIO_BLOCK, size // (FIO_JOBS * FIO_BLOCK) * FIO_JOBS * FIO_BLOCK)
+            cold = drop() and cold
+            fig = disk(work / "fio", _state_bytes_estimate(args.params, args.small))
+            rd["fio_runs"] = fig["runs"]
             for rw in ("write", "read"):
-                cold = drop() and cold
-                t = time.monotonic()
-                rd[f"fio_{rw}"] = _fio(work / "fio", rw, size, FIO_JOBS, FIO_BLOCK)
-                rd[f"fio_{rw}_wall"] = size / (time.monotonic() - t) / 1e9
+                # fio's best over queue depths and job counts (harness.disk); its own figure, so no wall variant
+                rd[f"fio_{rw}"] = rd[f"fio_{rw}_wall"] = fig[rw]
                 done += 1
-                progress(f"[dcp round {r + 1}/{args.rounds} {done}/{n_meas}] fio {rw}: {rd[f'fio_{rw}']:.2f} GB/s")
-            for f in (work / "fio").iterdir():
-                f.unlink()
+                progress(f"[dcp round {r + 1}/{args.rounds} {done}/{n_meas}] fio {rw}: {fig[rw]:.2f} GB/s "
+                         f"(best: {fig['best_of'][rw]})")
             # Saves of the full state, in a rotating order; FileSystemWriter's 4/8-thread copies are
             # deleted at once, the 1-thread one is kept for FileSystemReader.
             step += 1
@@ -421,7 +340,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
             saves: list[tuple[str, dict[str, Any]]] = [("save TieredWriter", {"who": "tiered", "step": tstep, "name": "-"})]
             saves += [(f"save FileSystemWriter thread_count={n}", {"who": "fsw", "threads": n, "name": f"fsw{n}"})
                       for n in FSW_THREADS]
-            for label, spec in _rotate(saves, r):
+            for label, spec in rotate(saves, r):
                 res = measure(label, {"kind": "save", "what": "state"} | spec)
                 facts.update(bytes=res["bytes"], tensors=res["tensors"], build_s=res["build_s"])
                 rd[spec["who"] + str(spec.get("threads", ""))] = res
@@ -429,22 +348,22 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
                     shutil.rmtree(work / spec["name"])
             loads = [("load TieredReader", {"who": "tiered", "step": tstep, "name": "-"}),
                      ("load FileSystemReader", {"who": "fsr", "name": "fsw1"})]
-            for label, spec in _rotate(loads, r):
+            for label, spec in rotate(loads, r):
                 rd["load_" + spec["who"]] = measure(label, {"kind": "load", "what": "state"} | spec)
             _clean(work)
             # async_save: two saves per process, ours vs DCP's own.
             step += 2
             asyncs = [("async_save TieredWriter", {"who": "tiered", "step": step - 1, "name": "-"}),
                       ("async_save FileSystemWriter", {"who": "fsw", "name": "fswa", "step": 0})]
-            for label, spec in _rotate(asyncs, r):
+            for label, spec in rotate(asyncs, r):
                 rd["async_" + spec["who"]] = measure(label, {"kind": "async", "what": "state"} | spec)
             _clean(work)
             # The per-tensor test: --many tensors of 4 KiB.
             step += 1
-            for label, spec in _rotate([(f"save {args.many:,} x 4 KiB TieredWriter", {"who": "tiered", "step": step, "name": "-"}),
+            for label, spec in rotate([(f"save {args.many:,} x 4 KiB TieredWriter", {"who": "tiered", "step": step, "name": "-"}),
                                         (f"save {args.many:,} x 4 KiB FileSystemWriter", {"who": "fsw", "name": "many"})], r):
                 rd["many_save_" + spec["who"]] = measure(label, {"kind": "save", "what": "many"} | spec)
-            for label, spec in _rotate([(f"load {args.many:,} x 4 KiB TieredReader", {"who": "tiered", "step": step, "name": "-"}),
+            for label, spec in rotate([(f"load {args.many:,} x 4 KiB TieredReader", {"who": "tiered", "step": step, "name": "-"}),
                                         (f"load {args.many:,} x 4 KiB FileSystemReader", {"who": "fsr", "name": "many"})], r):
                 rd["many_load_" + spec["who"]] = measure(label, {"kind": "load", "what": "many"} | spec)
             _clean(work)
@@ -524,8 +443,8 @@ def _summarize(rounds: list[dict[str, Any]], facts: dict[str, Any], args: argpar
             add(f"many_{op}_tiered_s", rd[f"many_{op}_tiered"]["seconds"])
             add(f"many_{op}_{peer}_s", rd[f"many_{op}_{peer}"]["seconds"])
             add(f"many_{op}_vs_dcp", rd[f"many_{op}_tiered"]["seconds"] / rd[f"many_{op}_{peer}"]["seconds"])
-    stats = {k: _stats(v) for k, v in per.items()}
-    med = {k: v["median"] for k, v in stats.items()}
+    summary = {k: stats(v) for k, v in per.items()}
+    med = {k: v["median"] for k, v in summary.items()}
     met = {
         "write_vs_fsw": med["write_vs_fsw"] >= GOALS["write_vs_fsw"],
         "write_vs_fio": med["write_vs_fio"] >= GOALS["write_vs_fio"],
@@ -538,7 +457,7 @@ def _summarize(rounds: list[dict[str, Any]], facts: dict[str, Any], args: argpar
             "state_tensors": facts["tensors"], "small_tensors": args.small, "many": args.many, "rounds": args.rounds,
             "cold_cache": cold, "fsw_best_multi_threads": best_threads,
             "async_stager_ours": rounds[0]["async_tiered"]["stager"], "async_stager_dcp": rounds[0]["async_fsw"]["stager"],
-            "goals": GOALS, "met": met, "stats": stats, "rounds_raw": rounds, "seconds": wall,
+            "goals": GOALS, "met": met, "stats": summary, "rounds_raw": rounds, "seconds": wall,
             "build_s": facts["build_s"]}
 
 
@@ -623,7 +542,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args, _ = ap.parse_known_args(argv)    # `python -m benchmarks` hands every suite the same arguments
     if args.quick:
         args.params, args.small, args.many, args.rounds = "16MiB", 50, 1000, 1
-    args.params = _parse_size(str(args.params), "--params")
+    args.params = parse_size(str(args.params), "--params")
     if args.params < 1 << 20 or args.rounds < 1 or args.many < 1 or args.small < 0:
         ap.error("--params must be >= 1MiB, --rounds and --many >= 1, --small >= 0")
     return args
