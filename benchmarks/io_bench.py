@@ -195,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"     load without hash check: {_rng(runs['read_nohash'])} GB/s; xxh3-128 hashes {xxh:.1f} GB/s on one core: "
           f"hashing {write:.2f} GB/s takes {write / xxh:.0%} of one core, overlapped with I/O by the writer threads.")
     print(f"({time.time() - t_start:.0f} s)")
-    results = {"dir": str(directory), "bytes": size, "jobs": jobs, "block": block, "repeat": repeat, "runs_GBps": runs,
+    results = {"goals": {"write_vs_fio": [">=", DISK_GOAL], "read_vs_fio": [">=", DISK_GOAL],
+                         "hash_cost": ["<=", GOALS["hash_cost"]]},
+               "dir": str(directory), "bytes": size, "jobs": jobs, "block": block, "repeat": repeat, "runs_GBps": runs,
                "ratios_per_round": per_round, "ratios": ratios, "met": ok, "xxh3_GBps_one_core": xxh, "memory": m}
     out = REPO / ".bench" / "io_results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
