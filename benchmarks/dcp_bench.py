@@ -21,6 +21,8 @@ whose order rotates; ratios are taken within a round, then medians and min-max r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
 import resource
@@ -39,6 +41,7 @@ from benchmarks.harness import (
     drop_caches,
     expected,
     fill_tensor,
+    own_share,
     parse_size,
     report,
     rotate,
@@ -58,6 +61,9 @@ GOALS = {
     "async_block_vs_dcp": 1.0,  # <= our async_save blocked time / DCP's with its default stager
     "many_save_vs_dcp": 2.0,   # <= our time / FileSystemWriter's for 100,000 tensors of 4 KiB
     "many_load_vs_dcp": 2.0,   # <= our time / FileSystemReader's
+    "many_save_own_share": 0.10,  # <= the share of a 100k x 4 KiB dcp.save spent in this project's code (cProfile)
+    "many_load_own_share": 0.10,  # <= the same for dcp.load
+    "many_metadata_vs_fsw": 1.0,  # <= our pickled metadata's bytes / FileSystemWriter's for the same state
 }
 FSW_THREADS = (1, 4, 8)
 # The issue's fixture is 4 GiB of parameters (12 GiB with AdamW, 24 GiB while async staging holds a
@@ -192,19 +198,29 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                 return tdcp.TieredWriter(config=cfg, epoch=0, step=step)
             return FileSystemWriter(p, thread_count=spec.get("threads", 1))
 
+        # profile: a separate, untimed run under cProfile, for the share of the call in our code
+        prof = cProfile.Profile() if spec.get("profile") else None
         if kind == "save":
             t = time.perf_counter()
-            dcp.save(state, storage_writer=writer(spec.get("step", 0), path))
+            w = writer(spec.get("step", 0), path)
+            with prof or contextlib.nullcontext():
+                dcp.save(state, storage_writer=w)
             res["seconds"] = time.perf_counter() - t
+            meta = (list((work / "tiered" / MODEL / f"global_epoch0_step{spec.get('step', 0)}").glob("dcp.*.metadata"))
+                    if who == "tiered" else [path / ".metadata"])
+            res["metadata_bytes"] = meta[0].stat().st_size if meta and meta[0].is_file() else None
         elif kind == "load":
             t = time.perf_counter()
             reader = (tdcp.TieredReader(config=cfg, epoch=0, step=spec["step"]) if who == "tiered"
                       else FileSystemReader(path))
-            dcp.load(state, storage_reader=reader)
+            with prof or contextlib.nullcontext():
+                dcp.load(state, storage_reader=reader)
             res["seconds"] = time.perf_counter() - t
             res["verified"] = check_loaded(state)
         else:
             res |= _async(dcp, state, writer, spec, tdcp)
+        if prof is not None:
+            res["own_share"] = own_share(prof, REPO / "src" / "tiered_ckpt")
         res["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return res
     finally:
@@ -366,6 +382,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
             for label, spec in rotate([(f"load {args.many:,} x 4 KiB TieredReader", {"who": "tiered", "step": step, "name": "-"}),
                                         (f"load {args.many:,} x 4 KiB FileSystemReader", {"who": "fsr", "name": "many"})], r):
                 rd["many_load_" + spec["who"]] = measure(label, {"kind": "load", "what": "many"} | spec)
+            # The same save and load under cProfile (untimed): the share of each call in our code.
+            step += 1
+            prof = {"what": "many", "who": "tiered", "step": step, "name": "-", "profile": True}
+            rd["many_save_prof"] = measure(f"save {args.many:,} x 4 KiB TieredWriter, profiled", {"kind": "save"} | prof)
+            rd["many_load_prof"] = measure(f"load {args.many:,} x 4 KiB TieredReader, profiled", {"kind": "load"} | prof)
             _clean(work)
             rounds.append(rd)
     finally:
@@ -443,15 +464,20 @@ def _summarize(rounds: list[dict[str, Any]], facts: dict[str, Any], args: argpar
             add(f"many_{op}_tiered_s", rd[f"many_{op}_tiered"]["seconds"])
             add(f"many_{op}_{peer}_s", rd[f"many_{op}_{peer}"]["seconds"])
             add(f"many_{op}_vs_dcp", rd[f"many_{op}_tiered"]["seconds"] / rd[f"many_{op}_{peer}"]["seconds"])
+            add(f"many_{op}_own_share", rd[f"many_{op}_prof"]["own_share"])
+        if rd["many_save_tiered"].get("metadata_bytes") and rd["many_save_fsw"].get("metadata_bytes"):
+            add("many_metadata_vs_fsw", rd["many_save_tiered"]["metadata_bytes"] / rd["many_save_fsw"]["metadata_bytes"])
     summary = {k: stats(v) for k, v in per.items()}
     med = {k: v["median"] for k, v in summary.items()}
-    met = {
+    met: dict[str, bool] = {
         "write_vs_fsw": med["write_vs_fsw"] >= GOALS["write_vs_fsw"],
         "write_vs_fio": med["write_vs_fio"] >= GOALS["write_vs_fio"],
         "load_vs_fsr": med["load_vs_fsr"] >= GOALS["load_vs_fsr"],
         "async_block_vs_dcp": med["async_block_vs_dcp"] <= GOALS["async_block_vs_dcp"],
         "many_save_vs_dcp": med["many_save_vs_dcp"] <= GOALS["many_save_vs_dcp"],
         "many_load_vs_dcp": med["many_load_vs_dcp"] <= GOALS["many_load_vs_dcp"],
+        **{k: med[k] <= GOALS[k] for k in ("many_save_own_share", "many_load_own_share", "many_metadata_vs_fsw")
+           if k in med},
     }
     return {"dir": str(Path(args.dir).resolve()), "params_bytes": _param_bytes(args.params, args.small), "state_bytes": facts["bytes"],
             "state_tensors": facts["tensors"], "small_tensors": args.small, "many": args.many, "rounds": args.rounds,
@@ -503,6 +529,11 @@ def render(res: dict[str, Any]) -> str:
          _rng(st, "many_save_vs_dcp", unit="x"), f"<= {g['many_save_vs_dcp']}x", met["many_save_vs_dcp"]),
         (f"load {res['many']:,} x 4 KiB", _rng(st, "many_load_tiered_s", unit=" s"), f"{_rng(st, 'many_load_fsr_s')} s",
          _rng(st, "many_load_vs_dcp", unit="x"), f"<= {g['many_load_vs_dcp']}x", met["many_load_vs_dcp"]),
+        *[(f"{op} {res['many']:,} x 4 KiB: share in our code", _rng(st, f"many_{op}_own_share", fmt=".1%"),
+           "cProfile, untimed run", "", f"<= {g[f'many_{op}_own_share']:.0%}", met.get(f"many_{op}_own_share"))
+          for op in ("save", "load") if f"many_{op}_own_share" in st],
+        *([("metadata, many tensors", _rng(st, "many_metadata_vs_fsw", unit="x"), "FileSystemWriter's .metadata", "",
+            f"<= {g['many_metadata_vs_fsw']}x", met.get("many_metadata_vs_fsw"))] if "many_metadata_vs_fsw" in st else []),
     ]
     head = ("measure", "tiered-ckpt", "DCP FileSystemWriter/Reader (or fio)", "ratio", "goal")
     w = [max(len(r[i]) for r in [*rows, head]) for i in range(5)]

@@ -121,6 +121,24 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def own_share(profile: Any, package: Path) -> float:
+    """The fraction of a cProfile run's time spent in `package`'s code: its functions' own time plus
+    the builtins' (C calls: torch ops, memmove) time where they were called from it. DCP's and
+    torch's Python code called by DCP is not ours."""
+    import pstats
+
+    st = pstats.Stats(profile)
+    pkg = str(package)
+    ours = 0.0
+    for (file, _, _), (_, _, tt, _, callers) in st.stats.items():  # type: ignore[attr-defined]
+        if file.startswith(pkg):
+            ours += tt
+        elif file == "~":
+            ours += sum(v[2] for (cf, _, _), v in callers.items() if cf.startswith(pkg))
+    total = st.total_tt  # type: ignore[attr-defined]
+    return ours / total if total else 0.0
+
+
 # -- statistics ------------------------------------------------------------------------------------
 def rotate(items: list[Any], r: int) -> list[Any]:
     """`items` started at round r's one: who goes first changes every round."""
