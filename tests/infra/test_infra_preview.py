@@ -12,6 +12,8 @@ import pytest
 
 from tiered_ops import mockrun
 
+from .conftest import SSH_KEY
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -108,16 +110,17 @@ def test_preview_json_has_structured_inputs_and_the_decoded_cloud_init_with_plac
     ("dev", "tiered-gpu-vmss        scale set (ND nodes) Standard_ND96amsr_A100_v4    securityType=Standard  secureBoot=off  vTPM=off  lustreClient=dkms"),
     ("prod", "tiered-gpu-vmss        scale set (ND nodes) Standard_ND96isr_H100_v5     securityType=TrustedLaunch  secureBoot=off  vTPM=on  lustreClient=dkms"),
 ])
-def test_preview_shows_each_vms_security_type_secure_boot_and_lustre_client_path(stack: str, nodes: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "tiered_ops.preview", "--stack", stack, "--set",
-                        "sshPublicKey=ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB3q0iP7c4k5o4S8m6Yt2m1pVdQ3xY9kq7f1mZl0aB2c ops@example"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=80)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+def test_preview_shows_each_vms_security_type_secure_boot_and_lustre_client_path(stack: str, nodes: str,
+                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from tiered_ops import preview
+
+    assert preview.main(["--stack", stack, "--set", f"sshPublicKey={SSH_KEY}"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     assert "per VM (security profile as sent; boot path that goes with it):" in lines
     assert "  " + nodes in lines
     assert ("  tiered-gpu-login       login VM             Standard_D8s_v5              securityType=TrustedLaunch  "
             "secureBoot=off  vTPM=on  lustreClient=dkms") in lines
-    assert "MISMATCH" not in r.stdout
+    assert "MISMATCH" not in out
     why = "NDm_A100_v4-series currently not supported" if stack == "dev" else "ND-family supported"
     assert any(line.strip().startswith("why: Standard_ND96") and why in line for line in lines)
