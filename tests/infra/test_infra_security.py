@@ -11,6 +11,7 @@ import pytest
 from components.cluster import node_role_name
 from components.settings import load
 from components.tags import taggable
+from components.vm_security import vm_security
 from tiered_ops import mockrun
 
 from .conftest import SSH_KEY, Plan
@@ -242,16 +243,19 @@ def test_h100_nodes_and_the_login_vm_get_trusted_launch_with_vtpm_and_secure_boo
 def test_auto_gives_the_a100_v4_nodes_an_explicit_standard_profile(plan: Plan) -> None:
     # trusted-launch.md: NDm_A100_v4 (dev's Standard_ND96amsr_A100_v4) and NDasrA100_v4 "Currently not supported".
     assert _security(plan("dev")) == (STANDARD, TRUSTED_NO_SECURE_BOOT)
-    assert _security(plan("dev", vmSize="Standard_ND96asr_v4")) == (STANDARD, TRUSTED_NO_SECURE_BOOT)
+    asr = vm_security("Standard_ND96asr_v4", "auto")
+    assert (asr.security_type, asr.secure_boot, asr.lustre_client) == ("Standard", False, "dkms")
 
 
 def test_off_states_standard_on_every_vm_and_on_applies_to_sizes_the_table_does_not_refuse(plan: Plan) -> None:
     assert _security(plan("prod", trustedLaunch="off")) == (STANDARD, STANDARD)
     # A size the table does not know: auto keeps it Standard, on asks for Trusted Launch (the preflight
-    # checks ARM's TrustedLaunchDisabled for it at pulumi up).
-    assert _security(plan("dev", vmSize="Standard_ND40rs_v2", nodeEthernetGbps=24)) == (STANDARD, TRUSTED_NO_SECURE_BOOT)
-    vmss, _ = _security(plan("dev", vmSize="Standard_ND40rs_v2", nodeEthernetGbps=24, trustedLaunch="on"))
-    assert vmss == TRUSTED_NO_SECURE_BOOT
+    # checks ARM's TrustedLaunchDisabled for it at pulumi up); Secure Boot stays off either way.
+    unknown = "Standard_ND40rs_v2"
+    assert vm_security(unknown, "auto").security_type == "Standard"
+    on = vm_security(unknown, "on")
+    assert (on.security_type, on.secure_boot, on.vtpm) == ("TrustedLaunch", False, True)
+    assert on.boot_env() == {"TIERED_SECURE_BOOT": "false", "TIERED_LUSTRE_CLIENT": "dkms", "TIERED_SECURITY_TYPE": "TrustedLaunch"}
 
 
 def test_on_with_an_a100_v4_size_is_refused_before_anything_is_created(plan: Plan) -> None:
