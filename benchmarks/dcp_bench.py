@@ -315,7 +315,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
 
     base = {"dir": str(work), "params": args.params, "small": args.small, "many": args.many}
     rounds: list[dict[str, Any]] = []
-    n_meas = 2 + len(FSW_THREADS) + 1 + 2 + 2 + 4
+    n_meas = 2 + len(FSW_THREADS) + 1 + 2 + 2 + 4 + 2
     t_all = time.monotonic()
     step = 0
     facts: dict[str, Any] = {}
