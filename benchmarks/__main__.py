@@ -28,8 +28,10 @@ SUITES: tuple[tuple[str, str, Callable[[Sequence[str] | None], int]], ...] = (
     ("lifecycle", "benchmarks.lifecycle_bench", lifecycle_bench.main),  # archive proof with a fake lfs, restore vs plain parallel download
     ("dcp", "benchmarks.dcp_bench", dcp_bench.main),                    # TieredWriter/Reader vs DCP's FileSystemWriter/Reader and fio
 )
-# Where each suite leaves its results (harness.report / io_bench).
+# Where each suite leaves its results (harness.report / io_bench), and where the document goes.
+RESULTS_DIR = REPO / ".bench"
 RESULTS = {"scale": "scale_results.json", "io": "io_results.json", "dcp": "dcp_results.json"}
+DOC, QUICK_DOC = REPO / "docs" / "benchmarks.md", REPO / ".bench" / "benchmarks.md"
 # The io suite takes its sizes from the environment: --quick's.
 QUICK_IO_ENV = {"BENCH_SIZE": "256MiB", "BENCH_REPEAT": "1", "BENCH_MEM_SIZE": "256MiB"}
 
@@ -152,14 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts = machine()
     results = {}
     for short in ran:
-        p = REPO / ".bench" / RESULTS.get(short, "")
+        p = RESULTS_DIR / RESULTS.get(short, "")
         if short in RESULTS and p.is_file():
             results[short] = json.loads(p.read_text())
     rows = goal_rows(results, facts)
     if rows and not as_json:
         print("\n=== every goal ===\n" + render_rows(rows), file=text)
     if not chosen and not as_json:
-        doc = REPO / (".bench/benchmarks.md" if quick else "docs/benchmarks.md")
+        doc = QUICK_DOC if quick else DOC
         write_doc(doc, "python -m benchmarks" + (" --quick" if quick else ""), facts, rows, tee.kept.getvalue(),
                   time.monotonic() - t0)
         print(f"written: {doc}", file=text)

@@ -36,3 +36,26 @@ def test_every_goal_gets_a_row_and_a_missed_one_names_its_bound(tmp_path: Path) 
     text = doc.read_text()
     assert "`python -m benchmarks`" in text and f"{facts['cores']} cores, load average" in text
     assert "| scale | write_vs_fio | 0.8 | >= 0.95 | NOT MET |" in text and "SCALE table here" in text
+
+
+def test_a_full_run_prints_every_goal_and_writes_the_document_from_its_own_output(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    def suite(argv: object) -> int:
+        print("SUITE TABLE: write vs fio 0.80x NOT MET")
+        (tmp_path / "io_results.json").write_text(json.dumps(
+            {"goals": {"write_vs_fio": [">=", 0.95]}, "met": {"write_vs_fio": False}, "ratios": {"write_vs_fio": 0.8},
+             "runs_GBps": {"fio_write": [1.5], "fio_read": [2.0]}}))
+        return 1                                          # a goal missed: reported, not an error
+
+    monkeypatch.setattr(runner, "SUITES", (("io", "benchmarks.io_bench", suite),))
+    monkeypatch.setattr(runner, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(runner, "DOC", tmp_path / "doc.md")
+    monkeypatch.setattr(runner, "QUICK_DOC", tmp_path / "quick.md")
+    assert runner.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "| io | write_vs_fio | 0.8 | >= 0.95 | NOT MET | disk (fio best: write 1.50 GB/s, read 2.00 GB/s)" in out
+    assert not (tmp_path / "doc.md").exists()             # --quick never replaces docs/benchmarks.md
+    text = (tmp_path / "quick.md").read_text()
+    assert "`python -m benchmarks --quick`" in text and "SUITE TABLE: write vs fio 0.80x NOT MET" in text
