@@ -59,14 +59,17 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.config import load as load_config
 from tiered_ckpt.dcp import TieredReader, TieredWriter
-from tiered_ckpt.errors import UserError
-from tiered_ckpt.naming import CheckpointId, make_id, require_number, scheme
+from tiered_ckpt.errors import IntegrityError, UserError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.lifecycle import pins
+from tiered_ckpt.naming import CheckpointId, make_id, require_name, require_number, scheme
 
 __all__ = ["POINTER_FORMAT", "TieredCheckpointIO"]
 
@@ -152,6 +155,16 @@ def _toolkit_errors() -> Iterator[None]:
         raise
 
 
+class _RunCheck(Callback):
+    """TieredCheckpointIO.run_check(): at train start (after any resume), refuse a colliding run."""
+
+    def __init__(self, io: TieredCheckpointIO) -> None:
+        self.io = io
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.io.check_run_start(trainer.current_epoch, trainer.global_step)
+
+
 class TieredCheckpointIO(CheckpointIO):
     """Lightning's CheckpointIO through tiered_ckpt.dcp (module doc): ``Trainer(plugins=[TieredCheckpointIO(...)])``.
 
@@ -170,6 +183,8 @@ class TieredCheckpointIO(CheckpointIO):
         self.model = model if model is not None else config.model
         self.naming = config.naming
         scheme(self.naming)
+        # The whole node config (archive included): a checkpoint only the archive holds is restored on load.
+        self._node = config.with_overrides(root=str(self.root), model=self.model)
         # Names this plugin committed in this process: a second save of one of them is an alias.
         self._committed: set[str] = set()
 
@@ -186,8 +201,50 @@ class TieredCheckpointIO(CheckpointIO):
     def checkpoint_dir(self, cid: CheckpointId) -> Path:
         return self.root / self.model / cid.name
 
-    def _config(self) -> NodeConfig:
-        return NodeConfig(root=str(self.root), model=self.model, naming=self.naming)
+    def _config(self, ckpt_dir: Path | None = None) -> NodeConfig:
+        if ckpt_dir is None or (ckpt_dir.parent.parent, ckpt_dir.parent.name) == (self.root, self.model):
+            return self._node
+        return self._node.with_overrides(root=str(ckpt_dir.parent.parent), model=ckpt_dir.parent.name)
+
+    # -- resume ----------------------------------------------------------------------------
+    def resume_path(self) -> str | None:
+        """The newest checkpoint on either tier, as a ``ckpt_path`` for ``Trainer.fit``; None: nothing to resume.
+
+        For a restart that lost Lightning's directory too (no ``last.ckpt`` to list): a checkpoint
+        only the archive holds is restored first. Every rank may call it (one restores, the others
+        wait for the checkpoint's lock)::
+
+            trainer.fit(module, data, ckpt_path=io.resume_path())
+        """
+        from tiered_ckpt.lifecycle.restore import resume_point
+        from tiered_ckpt.tiers.backends import make_backend
+
+        cfg = self._config()
+        name = resume_point(cfg, make_backend(cfg))
+        return None if name is None else str(self.checkpoint_dir(require_name(name, self.naming)))
+
+    def run_check(self) -> Callback:
+        """A Callback that refuses, before the first training step, a run whose saves would collide
+        with checkpoints a previous run of this model left (module doc): ``callbacks=[io.run_check(), ...]``."""
+        return _RunCheck(self)
+
+    def check_run_start(self, epoch: int, global_step: int) -> None:
+        """UserError if checkpoints newer than (epoch, global_step) are committed on either tier."""
+        from tiered_ckpt.lifecycle.restore import newest_committed
+        from tiered_ckpt.tiers.backends import make_backend
+
+        cfg = self._config()
+        here = make_id(epoch if scheme(self.naming).has_epoch else 0, global_step, self.naming)
+        newest = newest_committed(cfg, make_backend(cfg))
+        if newest is None or newest.id <= here:
+            return
+        raise UserError(
+            f"model {self.model!r} under {self.root} already holds committed checkpoints up to {newest.name}, newer "
+            f"than where this run starts ({here.name}): a previous run saved them, and this run's saves would collide "
+            "with them (a committed name is never overwritten). To continue that run, resume it: "
+            "trainer.fit(..., ckpt_path=\"last\") (or ckpt_path=io.resume_path()). To start a new run, give it a "
+            "model name of its own: TieredCheckpointIO(model=\"<model>-run2\") (the old run's checkpoints stay "
+            "under their name until retention or `tiered-ckpt archive retention` frees them)")
 
     def _check_pointer_path(self, path: Path) -> None:
         root = self.root.resolve()
@@ -219,6 +276,9 @@ class TieredCheckpointIO(CheckpointIO):
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
                 dcp.save(state, storage_writer=writer, no_dist=True)
             self._committed.add(cid.name)
+        # Pinned while this pointer names it: retention never frees a checkpoint ModelCheckpoint
+        # still keeps (best-k, last); Lightning's pruning (remove_checkpoint) unpins it.
+        pins.pin(self.root, self.model, cid.name, by="lightning", pointer=pointer)
         self._write_pointer(pointer, cid)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: _MapLocation = "cpu",
@@ -226,8 +286,9 @@ class TieredCheckpointIO(CheckpointIO):
         """The checkpoint a pointer (or a checkpoint directory) names; tensors placed per map_location
         (default: the CPU, as Lightning's TorchCheckpointIO; None: where they were saved)."""
         ckpt_dir = self._resolve(Path(path))
+        self._resident(ckpt_dir)
         reader = TieredReader(root=ckpt_dir.parent.parent, model=ckpt_dir.parent.name, name=ckpt_dir.name,
-                              config=self._config())
+                              config=self._config(ckpt_dir))
         md = reader.read_metadata()
         if _STATE_KEY not in md.state_dict_metadata:
             raise UserError(f"{ckpt_dir} is a DCP checkpoint but not one TieredCheckpointIO saved (no "
@@ -260,6 +321,35 @@ class TieredCheckpointIO(CheckpointIO):
         p = Path(path)
         if p.is_file() and self._read_pointer(p, strict=False) is not None:
             p.unlink()
+            pins.unpin(self.root, self.model, p)
+
+    def _resident(self, ckpt_dir: Path) -> None:
+        """Make the checkpoint readable here: restored from the archive if only the archive holds it;
+        otherwise, if it is not committed here, one message saying what to do."""
+        from tiered_ckpt.lifecycle import tombstone
+        from tiered_ckpt.lifecycle.restore import resume_point
+        from tiered_ckpt.tiers.backends import make_backend
+
+        cfg = self._config(ckpt_dir)
+        name = ckpt_dir.name
+        try:
+            require_name(name, cfg.naming)
+        except UserError:
+            return                  # not one of ours by name: the reader's own message
+        backend = make_backend(cfg)
+        resume_point(cfg, backend, name)
+        if mf.read_marker_checked(ckpt_dir, anchor=cfg.root)[0] is not None:
+            return
+        restore_hint = (f"`tiered-ckpt restore {name}` brings it back from the archive (with archive: in this "
+                        "plugin's config it is restored on load)")
+        if backend.archive_configured:
+            restore_hint = "the archive does not hold it either (`tiered-ckpt status` lists what exists)"
+        if tombstone.tombstone_path(cfg.root, cfg.model, name).exists():
+            raise IntegrityError(f"{ckpt_dir} is not a committed checkpoint on the accelerator layer: retention "
+                                 f"freed it once it was archived; {restore_hint}")
+        if not ckpt_dir.exists():
+            raise IntegrityError(f"{ckpt_dir} is not a committed checkpoint on the accelerator layer (no such "
+                                 f"directory); if it was archived, {restore_hint}")
 
     # -- pointers --------------------------------------------------------------------------
     def _write_pointer(self, pointer: Path, cid: CheckpointId) -> None:
@@ -293,9 +383,18 @@ class TieredCheckpointIO(CheckpointIO):
                             "checkpoint (tiered-ckpt list)")
         return Path(d["root"]) / d["model"] / d["name"]
 
+    def _names_checkpoint(self, p: Path) -> bool:
+        try:
+            require_name(p.name, self.naming)
+        except UserError:
+            return False
+        return True
+
     def _resolve(self, p: Path) -> Path:
         if p.is_dir():
             return p
+        if not p.exists() and self._names_checkpoint(p):
+            return p            # a checkpoint directory freed by retention: _resident restores or explains
         if not p.exists():
             raise FileNotFoundError(f"Checkpoint file not found: {p} (neither a TieredCheckpointIO pointer nor a "
                                     "checkpoint directory; tiered-ckpt list shows the committed ones)")

@@ -283,6 +283,20 @@ def resume_point(cfg: NodeConfig, backend: TierBackend, name: str | None = None,
         if _resolve(cfg, backend, name) is not None:
             restore(cfg, backend, name, progress=progress, lock_wait=lock_wait)
         return name        # not committed anywhere: the reader's own message says so
+    newest, where = _newest(cfg, backend)
+    if newest is not None and where == "archive":
+        log.info("the newest committed checkpoint %s is only in the archive: restoring it", newest.name,
+                 extra=fields("resume", model=cfg.model, checkpoint=newest.name))
+        return restore(cfg, backend, newest.name, progress=progress, lock_wait=lock_wait).name
+    return newest.name if newest is not None else None
+
+
+def newest_committed(cfg: NodeConfig, backend: TierBackend) -> mf.Manifest | None:
+    """The newest checkpoint committed on either tier (archive listed where configured); restores nothing."""
+    return _newest(cfg, backend)[0]
+
+
+def _newest(cfg: NodeConfig, backend: TierBackend) -> tuple[mf.Manifest | None, str]:
     local = mf.latest_committed(cfg.root, cfg.model, cfg.naming) if Path(cfg.root).is_dir() else None
     newest = local.manifest if local is not None else None
     if backend.archive_configured:
@@ -296,10 +310,8 @@ def resume_point(cfg: NodeConfig, backend: TierBackend, name: str | None = None,
             archived = {}
         top = max((f.manifest for f in archived.values()), key=lambda m: m.id, default=None)
         if top is not None and (newest is None or top.id > newest.id):
-            log.info("the newest committed checkpoint %s is only in the archive: restoring it", top.name,
-                     extra=fields("resume", model=cfg.model, checkpoint=top.name))
-            return restore(cfg, backend, top.name, progress=progress, lock_wait=lock_wait).name
-    return newest.name if newest is not None else None
+            return top, "archive"
+    return newest, "accelerator"
 
 
 # -- checks -------------------------------------------------------------------------------------
