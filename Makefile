@@ -60,7 +60,7 @@ test: install lint unit test-lowest
 # toolkit's tests that exercise them: what a training image with older packages gets.
 LOWEST := .lowest-deps
 LOWEST_TESTS := tests/toolkit/test_dependency_ranges.py tests/toolkit/test_save_load.py tests/toolkit/test_config_errors.py \
-	tests/toolkit/test_config_rules.py tests/toolkit/test_dcp.py tests/toolkit/test_training_state.py tests/lifecycle/test_logs.py \
+	tests/toolkit/test_config_rules.py tests/toolkit/test_dcp.py tests/lifecycle/test_logs.py \
 	tests/lifecycle/test_lifecycle_local.py
 test-lowest: install
 	@rm -rf $(LOWEST) && $(BIN)/pip install -q --target $(LOWEST) --no-deps -r constraints-lowest.txt \
