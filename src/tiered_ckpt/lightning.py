@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import io
+import io as io_mod
 import json
 import os
 import tempfile
@@ -60,6 +61,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -71,7 +73,7 @@ from tiered_ckpt.io import commit as mf
 from tiered_ckpt.lifecycle import pins
 from tiered_ckpt.naming import CheckpointId, make_id, require_name, require_number, scheme
 
-__all__ = ["POINTER_FORMAT", "TieredCheckpointIO"]
+__all__ = ["POINTER_FORMAT", "TieredCheckpointIO", "TieredModelParallelStrategy"]
 
 POINTER_FORMAT = "tiered-ckpt-lightning-pointer/1"
 _STATE_FORMAT = 1
@@ -399,3 +401,81 @@ class TieredCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"Checkpoint file not found: {p} (neither a TieredCheckpointIO pointer nor a "
                                     "checkpoint directory; tiered-ckpt list shows the committed ones)")
         return self._read_pointer(p)  # type: ignore[return-value]  # strict: never None
+
+
+_REST_KEY = "lightning.rest"      # the checkpoint dict without its sharded states (rank 0's), torch.save bytes
+
+
+class TieredModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2 / tensor parallel via ``configure_model``) through the toolkit.
+
+    Lightning's own sharded save bypasses the CheckpointIO (it calls ``dcp.save(checkpoint_id=path)``,
+    i.e. DCP's FileSystemWriter, which commits by renaming): this subclass saves the sharded model and
+    optimizer states with TieredWriter on every rank (collective; each rank writes its shards), the
+    rest of Lightning's checkpoint dict as one bytes entry, and the same pointer and keep-pin as
+    TieredCheckpointIO at Lightning's path; it loads them back with TieredReader (resharding is DCP's)::
+
+        io = TieredCheckpointIO(config=cfg)
+        Trainer(strategy=TieredModelParallelStrategy(io), callbacks=[ModelCheckpoint(...)])
+    """
+
+    def __init__(self, io: TieredCheckpointIO, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=True, **kwargs)
+        self.tiered = io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported by TieredModelParallelStrategy")
+        pointer = Path(self.broadcast(str(filepath)))
+        io = self.tiered
+        io._check_pointer_path(pointer)
+        cid = io.checkpoint_id(checkpoint)
+        if cid.name not in io._committed:
+            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            buf = io_mod.BytesIO()
+            torch.save(rest, buf)
+            state: dict[str, Any] = {"state_dict": checkpoint["state_dict"], _REST_KEY: buf.getvalue()}
+            state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.get("optimizer_states", []))})
+            with _toolkit_errors():
+                dcp.save(state, storage_writer=TieredWriter(config=io._config(), name=cid.name))
+            io._committed.add(cid.name)
+        if self.global_rank == 0:
+            pins.pin(io.root, io.model, cid.name, by="lightning", pointer=pointer)
+            io._write_pointer(pointer, cid)
+        self.barrier("tiered-ckpt pointer")
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        io = self.tiered
+        ckpt_dir = io._resolve(Path(self.broadcast(str(checkpoint_path))))
+        if self.global_rank == 0:
+            io._resident(ckpt_dir)       # restored from the archive when only the archive holds it
+        self.barrier("tiered-ckpt resident")
+        assert self.model is not None and self.lightning_module is not None
+        optims = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model), _REST_KEY: b""}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(optims)})
+        reader = TieredReader(root=ckpt_dir.parent.parent, model=ckpt_dir.parent.name, name=ckpt_dir.name,
+                              config=io._config(ckpt_dir))
+        with _toolkit_errors():
+            dcp.load(state, storage_reader=reader)
+        set_model_state_dict(self.model, state["state_dict"],
+                             options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        for i, o in enumerate(optims):
+            set_optimizer_state_dict(self.model, o, state[f"optimizer_{i}"])
+        rest = torch.load(io_mod.BytesIO(state[_REST_KEY]), weights_only=bool(weights_only))
+        assert isinstance(rest, dict)
+        return rest
+
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        if self.global_rank == 0:
+            self.tiered.remove_checkpoint(filepath)
