@@ -81,6 +81,7 @@ def _run(tmp: Path, mode: str, root: Path, ldir: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.timeout(900)       # two Lightning launches of 2 processes each (about 20 s of CPU on an idle machine)
 def test_fsdp2_through_model_parallel_strategy_commits_and_resumes_bit_exact(tmp_path: Path) -> None:
     root, ldir = tmp_path / "lustre", tmp_path / "pl" / "ck"
     root.mkdir()
