@@ -9,9 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+try:
+    import tomllib
+except ImportError:            # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[2]
 PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+)$")
