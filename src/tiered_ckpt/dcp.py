@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_ckpt import dcp_stage
+from tiered_ckpt import dcp_stage, records
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
@@ -307,6 +307,12 @@ class TieredWriter(StorageWriter):
             self.close()
         seconds = time.monotonic() - getattr(self, "_t0", time.monotonic())
         total = sum(e.size for e in entries)
+        # The same record tc.save leaves (records.py): save metrics, and the timeline's write start
+        # (time of the record minus `seconds`). Best effort: never fails the committed save.
+        records.record(self.root, self.model, records.SAVE,
+                       {"name": self.cid.name, "bytes": total, "seconds": seconds, "files": len(entries),
+                        "world_size": len(results), "via": "dcp"},
+                       totals={"saves": 1, "bytes": total})
         log.info("DCP save committed %s: %d bytes, %d rank(s), %.2fs since planning", self.cid.name, total,
                  len(results), seconds,
                  extra=fields("dcp save", model=self.model, checkpoint=self.cid.name, duration_s=seconds,
