@@ -327,6 +327,15 @@ def security_profile(enabled: bool) -> compute.SecurityProfileArgs | None:
                                        uefi_settings=compute.UefiSettingsArgs(secure_boot_enabled=True, v_tpm_enabled=True))
 
 
+def secure_boot(s: Settings, role: str) -> str:
+    """This VM's Secure Boot as security_profile() sets it ("unknown" for a cluster you bring); the boot picks
+    the Lustre client path from it where `mokutil --sb-state` cannot tell (scripts/lib/boot-common.sh)."""
+    if role == cloud_init.ROLE_BYO:
+        return "unknown"
+    enabled = s.login_trusted_launch_enabled if role == cloud_init.ROLE_LOGIN else s.trusted_launch_enabled
+    return "on" if enabled else "off"
+
+
 def tools_network_rules(s: Settings, subnet_id: pulumi.Input[str]) -> storage.NetworkRuleSetArgs:
     """The tools account's firewall. `pulumi up` uploads the toolkit blob from the operator's machine over
     the data plane, so with toolsUploadCidr unset it must stay open to every network (the blob is still
@@ -371,6 +380,7 @@ def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any], *,
     return cloud_init.NodeInputs(
         role=role, slurm=slurm, admin_user=s.admin_username, training_user=s.training_user, training_group=s.training_group,
         nccl_topo_file=cloud_init.nccl_topo_file(s.vm_size) if role == cloud_init.ROLE_NODE else "",
+        secure_boot=secure_boot(s, role),
         gpus_per_node=slurm_conf.ND_GPUS_PER_NODE,
         mgs_address=v["mgs"], account_url=v["endpoint"].rstrip("/"), data_container=v["container"],
         blob_prefix=s.blob_prefix, lustre_root=s.lustre_root, model=s.model_name, nodes=s.node_count,
