@@ -20,6 +20,7 @@ class Unit:
     service: dict[str, str] = field(default_factory=dict)
     exec_start: list[str] = field(default_factory=list)
     env_files: list[str] = field(default_factory=list)
+    timer: dict[str, list[str]] = field(default_factory=dict)
 
 
 def unit_file(root: Path, name: str) -> Path | None:
@@ -45,6 +46,8 @@ def _parse(text: str, u: Unit) -> None:
             u.env_files = [] if not value else u.env_files + [value]
         elif section == "Service":
             u.service[key] = value
+        elif section == "Timer":     # list settings: an empty assignment resets (systemd.timer(5))
+            u.timer[key] = [] if not value else u.timer.get(key, []) + [value]
         elif section == "Unit":
             u.unit[key] = (u.unit.get(key, "") + " " + value).strip() if value else ""
 

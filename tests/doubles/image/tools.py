@@ -112,6 +112,7 @@ def install_effects(st: dict[str, Any], pkg: str, version: str) -> None:
         uid = max([u for u in systemd.ids(ROOT, "passwd") if u < 1000] + [100]) + 1   # adduser --system
         systemd.add_line(ROOT / "etc/group", f"munge:x:{uid}:")
         systemd.add_line(ROOT / "etc/passwd", f"munge:x:{uid}:{uid}::/nonexistent:/usr/sbin/nologin")
+    if pkg == "munge":
         write(ROOT / "lib/systemd/system/munge.service", "[Service]\nType=forking\nExecStart=/usr/sbin/munged\n")
     for daemon in ("slurmd", "slurmctld"):
         if pkg == f"slurm-smd-{daemon}":
@@ -200,9 +201,10 @@ def apt_mark(args: list[str]) -> None:
 
 def dpkg_query(args: list[str]) -> None:
     st = load()
-    fmt = args[args.index("-f") + 1] if "-f" in args else "${Package}\t${Version}\n"
-    if fmt.startswith("-f="):
-        fmt = fmt[3:]
+    fmt = next((a[3:] for a in args if a.startswith("-f=")), "")
+    if "-f" in args:
+        fmt = args[args.index("-f") + 1]
+    fmt = fmt or "${Package}\t${Version}\n"
     globs = [a for a in args if not a.startswith("-") and a != fmt] or ["*"]
     hits = [(p, v) for p, v in sorted(st["packages"].items()) if any(fnmatch.fnmatch(p, g) for g in globs)]
     if not hits:
@@ -313,6 +315,13 @@ def start(st: dict[str, Any], unit: str) -> None:
     if u is None:
         save(st)
         fail(f"Failed to start {unit}: Unit {unit} not found.", 5)
+    if unit.endswith(".timer"):
+        triggers = ("OnCalendar", "OnActiveSec", "OnBootSec", "OnStartupSec", "OnUnitActiveSec", "OnUnitInactiveSec")
+        if not any(u.timer.get(k) for k in triggers):
+            save(st)
+            fail(f"Failed to start {unit}: {unit}: Timer unit lacks value setting. Refusing.")
+        st.setdefault("active", {})[unit] = [v for k in triggers for v in u.timer.get(k, [])]
+        return
     user = u.service.get("User", "")
     if user and not systemd.user_entry(ROOT, user):
         save(st)
