@@ -167,7 +167,7 @@ def test_the_controller_deletes_dynamic_nodes_that_stay_down_and_keeps_the_rest(
     env = _fake_bins(tmp_path, log)
     bins = tmp_path / "bin"
     (bins / "sinfo").write_text(f"#!/bin/bash\ncat {tmp_path}/down\n")
-    (bins / "squeue").write_text(f'#!/bin/bash\n[ "$3" = busy ] && echo 12; true\n')
+    (bins / "squeue").write_text('#!/bin/bash\n[ "$3" = busy ] && echo 12; true\n')
     for b in ("sinfo", "squeue"):
         (bins / b).chmod(0o755)
     env["CLEANUP_STATE"] = str(tmp_path / "state")
