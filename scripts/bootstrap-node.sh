@@ -3,7 +3,7 @@
 # Slurm of ours; `--retention` on exactly one host). Run once by cloud-init (runcmd) as root; settings from
 # /etc/tiered-ckpt/boot.env (components/cloud_init.py writes both).
 set -euo pipefail
-# shellcheck source=lib/boot-common.sh
+# shellcheck source-path=SCRIPTDIR source=lib/boot-common.sh
 . "${SYSROOT:-}/usr/local/lib/tiered-ckpt/boot-common.sh"
 load_settings ROLE MOUNT MGS FSTAB_OPTIONS VENV NODE_REQUIREMENTS TOOLS_URL TOOLS_SHA256 IDENTITY_CLIENT_ID IMDS \
   ADMIN_USER TRAINING_USER TRAINING_GROUP TRAINING_UID TRAINING_GID SERVICE_USER SERVICE_ID WORK_DIR LUSTRE_ROOT \
