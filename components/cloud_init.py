@@ -227,11 +227,6 @@ def _packages(n: NodeInputs) -> list[str]:
     return ["slurm-smd", "slurm-smd-client", "slurm-smd-slurmctld" if n.role == ROLE_LOGIN else "slurm-smd-slurmd"]
 
 
-def slurm_packages(n: NodeInputs) -> list[str]:
-    """`name=version` of each Slurm package the boot installs on this VM (for the plan)."""
-    return [f"{p}={n.slurm.version}" for p in _packages(n)] if n.slurm else []
-
-
 def boot_settings(n: NodeInputs) -> dict[str, str]:
     """Everything the scripts read from BOOT_ENV; plain strings."""
     if n.secure_boot not in SECURE_BOOT_STATES:
@@ -255,7 +250,7 @@ def boot_settings(n: NodeInputs) -> dict[str, str]:
     if n.slurm is not None:
         c = n.slurm.conf
         env.update({
-            "SLURM": "1", "SLURM_VERSION": n.slurm.version, "SLURM_USER": c.slurm_user,
+            "SLURM": "1", "SLURM_VERSION": n.slurm.version, "SLURM_PACKAGES": " ".join(_packages(n)), "SLURM_USER": c.slurm_user,
             "SLURM_UID": str(slurm_conf.SLURM_UID), "SLURM_GID": str(slurm_conf.SLURM_UID),
             "MUNGE_UID": str(slurm_conf.MUNGE_UID), "MUNGE_GID": str(slurm_conf.MUNGE_UID),
             "SLURM_STATE_DIR": c.state_dir, "SLURM_SPOOL_DIR": c.spool_dir, "SLURM_LOG_DIR": c.log_dir,
@@ -272,6 +267,21 @@ def render_boot_env(n: NodeInputs) -> str:
     """BOOT_ENV: one KEY='value' per line, shell-quoted (the scripts source it; nothing is substituted)."""
     return "# tiered-ckpt boot settings (components/cloud_init.py); read by scripts/*\n" + "".join(
         f"{k}={shlex.quote(v)}\n" for k, v in boot_settings(n).items())
+
+
+def boot_facts(custom_data: str) -> dict[str, str]:
+    """What a rendered #cloud-config's boot will install, for the plan: the Slurm packages and the Lustre
+    client path (from its BOOT_ENV; {} for a document without one)."""
+    doc = yaml.safe_load(custom_data) if custom_data.startswith("#cloud-config") else None
+    text = next((f["content"] for f in (doc or {}).get("write_files", []) if f.get("path") == BOOT_ENV), "")
+    env = {k: " ".join(shlex.split(v)) for k, _, v in (ln.partition("=") for ln in text.splitlines()) if k and not k.startswith("#")}
+    if not env:
+        return {}
+    sb, client = env.get("SECURE_BOOT", "unknown"), env.get("LUSTRE_CLIENT", "auto")
+    if client == "auto":
+        client = "dkms (image)" if sb == "off" else "signed kmod amlfs-lustre-client-<ver>=$(uname -r)"
+    slurm = ",".join(f"{p}={env['SLURM_VERSION']}" for p in env.get("SLURM_PACKAGES", "").split()) or "none"
+    return {"secureBoot": sb, "lustreClient": client, "slurm": slurm}
 
 
 def _retention_units() -> list[dict[str, str]]:

@@ -22,9 +22,10 @@ else
 fi
 
 if [ "${SLURM:-0}" = 1 ]; then
-  load_settings SLURM_VERSION SLURM_USER SLURM_UID SLURM_GID MUNGE_UID MUNGE_GID SLURM_LOG_DIR SLURM_SPOOL_DIR \
+  load_settings SLURM_VERSION SLURM_PACKAGES SLURM_USER SLURM_UID SLURM_GID MUNGE_UID MUNGE_GID SLURM_LOG_DIR SLURM_SPOOL_DIR \
     SLURMD_DEFAULTS MUNGE_KEY_TOOL VAULT_URL MUNGE_SECRET VAULT_CLIENT_ID
-  install_slurm slurm-smd slurm-smd-client slurm-smd-slurmd
+  # shellcheck disable=SC2086  # one package name per word
+  install_slurm $SLURM_PACKAGES
   slurm_dirs
   mkdir -p "$SYSROOT$SLURM_SPOOL_DIR"
   munge_key fetch

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from components import cloud_init as node_boot
 from components import sizing
 from tiered_ckpt.cli.output import print_error
 from tiered_ckpt.errors import EXIT_OK, EXIT_USAGE
@@ -106,14 +107,14 @@ def key_properties(r: Res) -> str:
                  "image": ":".join(str(_get(vm, "storageProfile", "imageReference", k)) for k in ("publisher", "offer", "sku")),
                  "passwordAuth": not _get(vm, "osProfile", "linuxConfiguration", "disablePasswordAuthentication"),
                  "publicIp": any("publicIPAddressConfiguration" in c for c in nic.get("ipConfigurations") or []),
-                 "customDataB64": len(_get(vm, "osProfile", "customData") or "")}
+                 "customDataB64": len(_get(vm, "osProfile", "customData") or ""), **_boot(_get(vm, "osProfile", "customData"))}
     elif t == "VirtualMachine":
         linux = _get(i, "osProfile", "linuxConfiguration") or {}
         parts = {"size": _get(i, "hardwareProfile", "vmSize"), "zones": ",".join(i.get("zones") or []),
                  "image": ":".join(str(_get(i, "storageProfile", "imageReference", k)) for k in ("publisher", "offer", "sku")),
                  "identities": len(_get(i, "identity", "userAssignedIdentities") or []),
                  "passwordAuth": not linux.get("disablePasswordAuthentication"),
-                 "customDataB64": len(_get(i, "osProfile", "customData") or "")}
+                 "customDataB64": len(_get(i, "osProfile", "customData") or ""), **_boot(_get(i, "osProfile", "customData"))}
     elif t == "NetworkInterface":
         ipc = (i.get("ipConfigurations") or [{}])[0]
         parts = {"privateIp": ipc.get("privateIPAddress"), "allocation": ipc.get("privateIPAllocationMethod"),
@@ -210,6 +211,14 @@ def _custom_data(v: Any, path: str = "") -> list[tuple[str, str]]:
         for i, x in enumerate(v):
             found += _custom_data(x, f"{path}[{i}]")
     return found
+
+
+def _boot(b64: Any) -> dict[str, str]:
+    """The boot's Slurm packages and Lustre client path, from a VM's custom data (components/cloud_init.py)."""
+    try:
+        return node_boot.boot_facts(base64.b64decode(str(b64 or ""), validate=True).decode())
+    except (binascii.Error, UnicodeDecodeError, yaml.YAMLError):
+        return {}
 
 
 def cloud_init(result: mockrun.PreviewResult) -> list[dict[str, Any]]:

@@ -240,6 +240,18 @@ def test_custom_data_holds_the_scripts_unchanged_and_settings_only_in_the_enviro
         cloud_init.render_boot_env(replace(_inputs(), model="a\nb"))
 
 
+def test_the_plan_shows_each_vms_slurm_packages_and_lustre_client_path() -> None:
+    conf = slurm_conf.SlurmConfInputs("c", "h", 4)
+    v = slurm_conf.SLURM_VERSION
+    for role, sb, daemon, client in ((cloud_init.ROLE_NODE, "off", "slurm-smd-slurmd", "dkms (image)"),
+                                     (cloud_init.ROLE_LOGIN, "on", "slurm-smd-slurmctld", "signed kmod")):
+        n = _inputs(role=role, secure_boot=sb, slurm=cloud_init.SlurmInputs(conf, "https://v.vault.azure.net", SECRET, "c"))
+        facts = cloud_init.boot_facts(cloud_init.render(n))
+        assert facts["slurm"] == f"slurm-smd={v},slurm-smd-client={v},{daemon}={v}" and facts["secureBoot"] == sb
+        assert facts["lustreClient"].startswith(client)
+    assert cloud_init.boot_facts("#!/bin/bash\n") == {}
+
+
 def test_the_lock_hashes_every_wheel_and_matches_pyprojects_pins(tmp_path: Path) -> None:
     pins, locked = node_lock.pyproject_pins(), node_lock.lock_pins()
     assert {n: {v} for n, v in pins.items()} == {n: locked[n] for n in pins}, "regenerate: python -m components.node_lock"
