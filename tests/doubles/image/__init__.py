@@ -55,7 +55,7 @@ AMLFS_REPO = [(f"amlfs-lustre-client-dkms-{LUSTRE}", f"{LUSTRE}-1"),
               ("amlfs-lustre-client-2.16.1-14-gbc76088", "6.8.0-1026-azure")]
 TOOLS = ("apt-get", "apt-cache", "apt-mark", "dpkg-query", "dpkg", "modprobe", "modinfo", "mokutil", "dkms", "uname",
          "systemctl", "findmnt", "mountpoint", "getent", "groupadd", "useradd", "usermod", "chown", "setfacl",
-         "systemd-tmpfiles", "hostname", "logger")
+         "systemd-tmpfiles", "systemd-escape", "hostname", "logger")
 
 
 @dataclass

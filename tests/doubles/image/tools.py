@@ -14,7 +14,8 @@ file (IMAGE_ROOT/.image/state.json). What they encode:
 * Package effects: slurm-smd-slurmd / slurm-smd-slurmctld install SchedMD's units (units/*.service.in,
   Type=notify) and /etc/default/slurmd, and create no users (SchedMD debian/: no maintainer scripts;
   Microsoft's installer creates slurm/munge itself, azure-slurm-install/install.py setup_users). Ubuntu's
-  munge creates a `munge` system user with the next free system uid when none exists (Debian munge.postinst).
+  munge creates a `munge` system user with the next free system uid when none exists (Debian's
+  munge.postinst: `adduser --quiet --system --group --no-create-home --home /nonexistent munge`).
   DKMS and kmod Lustre clients never both (client-install-plan.md).
 * modprobe / mokutil / modinfo / dkms: a DKMS-built module is unsigned, and with `mokutil --sb-state` saying
   "SecureBoot enabled" the kernel refuses it ("Key was rejected by service"); the kmod package's module is
@@ -442,6 +443,12 @@ def systemd_tmpfiles(args: list[str]) -> None:
             (ROOT / f[1].lstrip("/")).mkdir(parents=True, exist_ok=True)
 
 
+def systemd_escape(args: list[str]) -> None:
+    suffix = next((a.split("=", 1)[1] for a in args if a.startswith("--suffix=")), "")
+    name = systemd.escape_path([a for a in args if not a.startswith("-")][-1])
+    print(f"{name}.{suffix}" if suffix else name)
+
+
 def hostname(args: list[str]) -> None:
     print(load().get("hostname", "node7"))
 
@@ -460,7 +467,7 @@ def write(p: Path, text: str) -> None:
 TOOLS = {"apt-get": apt_get, "apt-cache": apt_cache, "apt-mark": apt_mark, "dpkg-query": dpkg_query, "dpkg": dpkg,
          "modprobe": modprobe, "modinfo": modinfo, "mokutil": mokutil, "dkms": dkms, "uname": uname,
          "systemctl": systemctl, "findmnt": findmnt, "mountpoint": mountpoint, "getent": getent, "groupadd": groupadd,
-         "useradd": useradd, "usermod": usermod, "chown": chown, "setfacl": setfacl, "systemd-tmpfiles": systemd_tmpfiles,
+         "useradd": useradd, "usermod": usermod, "chown": chown, "setfacl": setfacl, "systemd-tmpfiles": systemd_tmpfiles, "systemd-escape": systemd_escape,
          "hostname": hostname, "logger": logger}
 
 if __name__ == "__main__":
