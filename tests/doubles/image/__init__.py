@@ -125,7 +125,7 @@ def make_image(base: Path, *, secure_boot: bool, kernel: str = KERNEL, hostname:
     (root / ".image" / "state.json").write_text(json.dumps(state))
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in TOOLS:
-        _stub(bin_dir / name, f'exec {sys.executable} {HERE / "tools.py"} {name} "$@"')
+        _stub(bin_dir / name, f'exec {sys.executable} -S -I {HERE / "tools.py"} {name} "$@"')  # -S: no site (venv .pth files)
     # python3 -m venv: a venv whose pip logs and whose toolkit install gives a tiered-ckpt command; the rest
     # is the real interpreter (munge-key, the token parsing).
     real = shutil.which("python3") or sys.executable
