@@ -48,12 +48,14 @@ install: $(STAMP) $(AZURITE) debs
 
 # The node boot (scripts/): shellcheck follows the sourced lib/boot-common.sh (-x).
 SHELL_SCRIPTS := $(wildcard scripts/*.sh scripts/lib/*.sh)
-
+# requires-python is >=3.10: the program and the toolkit must not need a newer Python (vermin, 3.10 floor).
+VERMIN_ARGS = --target=3.10- --no-tips --violations --eval-annotations -q
 lint: $(STAMP) debs
 	shellcheck -x $(SHELL_SCRIPTS)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	PYTHONPATH=src:. $(BIN)/lint-imports
+	$(BIN)/vermin $(VERMIN_ARGS) src components __main__.py
 
 unit: install
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -127,6 +127,8 @@ class NodeInputs:
     slurm: SlurmInputs | None = None
     secure_boot: str = "unknown"    # SECURE_BOOT_STATES: this VM's securityProfile
     lustre_client: str = "auto"     # LUSTRE_CLIENTS
+    # components/vm_security.py's VmSecurity.boot_env() for a VM of ours (it wins over the two fields above)
+    security_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def retention(self) -> bool:
@@ -235,7 +237,8 @@ def boot_settings(n: NodeInputs) -> dict[str, str]:
         raise ValueError(f"lustre_client must be one of {LUSTRE_CLIENTS}, got {n.lustre_client!r}")
     env = {
         "ROLE": n.role, "IMDS": IMDS, "MOUNT": MOUNT, "MGS": n.mgs_address, "FSTAB_OPTIONS": FSTAB_OPTIONS,
-        "SECURE_BOOT": n.secure_boot, "LUSTRE_CLIENT": n.lustre_client,
+        "TIERED_SECURE_BOOT": {"on": "true", "off": "false"}.get(n.secure_boot, "unknown"),
+        "TIERED_LUSTRE_CLIENT": n.lustre_client,
         "VENV": VENV, "NODE_REQUIREMENTS": NODE_REQUIREMENTS, "TOOLS_URL": n.tools_url, "TOOLS_SHA256": n.tools_sha256,
         "IDENTITY_CLIENT_ID": n.identity_client_id,
         "ADMIN_USER": n.admin_user, "TRAINING_USER": n.training_user, "TRAINING_GROUP": n.training_group,
@@ -247,6 +250,9 @@ def boot_settings(n: NodeInputs) -> dict[str, str]:
         "GPUS_PER_NODE": str(n.gpus_per_node if n.role == ROLE_NODE else 0),
         "SLURM": "0",
     }
+    env.update(dict(n.security_env))
+    if env["TIERED_LUSTRE_CLIENT"] not in LUSTRE_CLIENTS:
+        raise ValueError(f"TIERED_LUSTRE_CLIENT must be one of {LUSTRE_CLIENTS}, got {env['TIERED_LUSTRE_CLIENT']!r}")
     if n.slurm is not None:
         c = n.slurm.conf
         env.update({
@@ -277,9 +283,12 @@ def boot_facts(custom_data: str) -> dict[str, str]:
     env = {k: " ".join(shlex.split(v)) for k, _, v in (ln.partition("=") for ln in text.splitlines()) if k and not k.startswith("#")}
     if not env:
         return {}
-    sb, client = env.get("SECURE_BOOT", "unknown"), env.get("LUSTRE_CLIENT", "auto")
+    sb = {"true": "on", "false": "off"}.get(env.get("TIERED_SECURE_BOOT", ""), "unknown")
+    client = env.get("TIERED_LUSTRE_CLIENT", "auto")
     if client == "auto":
         client = "dkms (image)" if sb == "off" else "signed kmod amlfs-lustre-client-<ver>=$(uname -r)"
+    elif client == "dkms":
+        client = "dkms (image)"
     slurm = ",".join(f"{p}={env['SLURM_VERSION']}" for p in env.get("SLURM_PACKAGES", "").split()) or "none"
     return {"secureBoot": sb, "lustreClient": client, "slurm": slurm}
 

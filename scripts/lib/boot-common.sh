@@ -37,7 +37,7 @@ secure_boot_on() {
   if state=$(mokutil --sb-state 2>/dev/null); then
     case "$state" in *"SecureBoot enabled"*) return 0 ;; *) return 1 ;; esac
   fi
-  [ "${SECURE_BOOT:-unknown}" != off ]
+  [ "${TIERED_SECURE_BOOT:-unknown}" != false ]
 }
 
 hold_kernel() {
@@ -111,9 +111,10 @@ lustre_dkms() {
   fi
 }
 
-# LUSTRE_CLIENT: auto (signed kmod under Secure Boot, the image's DKMS client otherwise), kmod or dkms.
+# TIERED_LUSTRE_CLIENT (components/vm_security.py decides it for our VMs): auto (signed kmod under Secure
+# Boot, the image's DKMS client otherwise), kmod or dkms.
 lustre_client() {
-  local kernel sb=off mode=${LUSTRE_CLIENT:-auto}
+  local kernel sb=off mode=${TIERED_LUSTRE_CLIENT:-auto}
   kernel=$(uname -r)
   if secure_boot_on; then sb=on; fi
   if [ "$sb" = on ] && [ "$mode" = dkms ]; then
