@@ -153,15 +153,33 @@ got = sharded_tensor.zeros(spec, 6, 4)
 dcp.load({"st": got}, storage_reader=TieredReader(root, "m", epoch=0, step=1, verify_hash=True))
 ok = all(torch.equal(s.tensor, torch.arange(s.tensor.numel(), dtype=torch.float32).reshape(s.tensor.shape) + rank * 100)
          for s in got.local_shards())
-report(ok=ok, addresses=n)
+# use_collectives=False: DTensor shards of both ranks end up in one checkpoint (the coordinator
+# merges the ranks' metadata) that loads with collectives; a second save of the name is refused
+# on every rank (none waits for the other).
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+mesh = init_device_mesh("cpu", (world,))
+full = torch.arange(7 * 3, dtype=torch.float64).reshape(7, 3)
+dcp.save({"d": distribute_tensor(full, mesh, [Shard(0)]), "n": 5}, storage_writer=TieredWriter(root, "m", epoch=0, step=2),
+         use_collectives=False)
+back = {"d": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "n": 0}
+dcp.load(back, storage_reader=TieredReader(root, "m", epoch=0, step=2, verify_hash=True))
+merged = bool(torch.equal(back["d"].full_tensor(), full)) and back["n"] == 5
+try:
+    dcp.save({"d": distribute_tensor(full, mesh, [Shard(0)])}, storage_writer=TieredWriter(root, "m", epoch=0, step=2),
+             use_collectives=False)
+    again = "saved"
+except BaseException as e:
+    again = type(e).__name__
+report(ok=ok, addresses=n, merged=merged, again=again)
 leave()
 """
 
 
-def test_stager_and_writer_take_sharded_tensors(root: Path, tmp_path: Path) -> None:
+def test_stager_and_writer_take_sharded_tensors_and_no_collectives(root: Path, tmp_path: Path) -> None:
     runs = gloo_ranks.run(STAGED, 2, tmp_path / "store", timeout=240, root=str(root), pg_timeout=60)
-    assert [r.out for r in runs] == [{"ok": True, "addresses": 1}] * 2, runs
-    assert [c.name for c in mf.scan(root, "m") if c.committed] == ["global_epoch0_step1"]
+    assert [r.out for r in runs] == [{"ok": True, "addresses": 1, "merged": True, "again": "ConflictError"}] * 2, runs
+    assert [c.name for c in mf.scan(root, "m") if c.committed] == ["global_epoch0_step1", "global_epoch0_step2"]
 
 
 def test_a_format_1_checkpoint_still_loads(root: Path) -> None:
