@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
                                    "torch.save file. --from dcp DIR: a directory FileSystemWriter wrote, saved as the "
                                    "committed checkpoint NAME of the model (migration).")
     c.add_argument("name", help="the checkpoint (global_epoch<E>_step<S>, or the model's naming scheme)")
-    way = c.add_mutually_exclusive_group(required=True)
+    way = c.add_mutually_exclusive_group()     # one of them (checked by the command: one clear line)
     way.add_argument("--to", choices=("dcp", "torch"), help="convert NAME into this format at PATH")
     way.add_argument("--from", dest="source", choices=("dcp",), help="make NAME from the stock DCP directory PATH")
     c.add_argument("path", help="the directory (dcp) or file (torch) to write, or to read with --from")
@@ -35,6 +35,8 @@ def cmd_convert(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     from tiered_ckpt import dcp_convert
     from tiered_ckpt.dcp import TieredReader, TieredWriter
 
+    if args.to is None and args.source is None:
+        raise UserError("tiered-ckpt convert NAME needs a direction: --to dcp DIR, --to torch FILE, or --from dcp DIR")
     require_name(args.name, cfg.naming)
     root = Path(cfg.root)
     out: dict[str, Any]
