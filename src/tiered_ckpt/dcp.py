@@ -13,7 +13,8 @@ bytes DCP serialized) into a few shard files under their final names
 the toolkit's write pipeline (io/pipeline.py: page-aligned pool blocks, O_DIRECT, one writer
 thread per file, xxh3-128 inline, fsync; small items share blocks instead of costing a system
 call each). The coordinator then writes DCP's pickled Metadata as ``dcp.<sid>.metadata`` (its
-save id; final name, fsynced; not a dot-name, which the exporter skips) and last
+save id; final name, fsynced; not a dot-name, which the exporter skips; only DCP's classes and
+builtins inside, so it unpickles without this package: docs/training.md) and last
 ``COMMITTED.json`` listing every file with its size and hash. The coordinator holds the
 checkpoint name's lock from planning to the marker and refuses a name that is already
 committed; a save that fails releases it (at once when the coordinator's own write failed,
@@ -130,22 +131,11 @@ def _info(relative_path: str, offset: int, length: int, raw: bool) -> _StorageIn
     return _StorageInfo(relative_path, offset, length, [RAW] if raw else None)
 
 
-def _chunk_sizes(md: Metadata, index: MetadataIndex) -> tuple[int, ...] | None:
-    """The shape of the saved chunk `index` names (its fqn's TensorStorageMetadata)."""
-    tmd = md.state_dict_metadata.get(index.fqn)
-    if not isinstance(tmd, TensorStorageMetadata):
-        return None
-    want = tuple(index.offset) if index.offset is not None else None
-    for c in tmd.chunks:
-        if want is None or tuple(c.offsets) == want:
-            return tuple(c.sizes)
-    return None
-
-
 def _locations(md: Metadata) -> dict[MetadataIndex, _Stored]:
     """storage_data as _Stored entries: DCP `_StorageInfo` (raw tensors carry RAW; tensors without
     it are torch.save bytes, as FileSystemWriter writes them) or a format-1 `_Stored`."""
     out: dict[MetadataIndex, _Stored] = {}
+    chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}     # fqn -> chunk offsets -> sizes
     for index, sd in (md.storage_data or {}).items():
         if isinstance(sd, _Stored):
             out[index] = sd
@@ -155,7 +145,10 @@ def _locations(md: Metadata) -> dict[MetadataIndex, _Stored]:
         descriptors = list(getattr(sd, "transform_descriptors", None) or ())
         tmd = md.state_dict_metadata.get(index.fqn)
         if descriptors == [RAW] and isinstance(tmd, TensorStorageMetadata):
-            sizes = _chunk_sizes(md, index)
+            by_offset = chunks.get(index.fqn)
+            if by_offset is None:
+                by_offset = chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in tmd.chunks}
+            sizes = by_offset.get(tuple(index.offset) if index.offset is not None else (0,) * len(tmd.size))
             if sizes is None:
                 continue
             out[index] = _Stored(sd.relative_path, sd.offset, sd.length, str(tmd.properties.dtype).removeprefix("torch."),
