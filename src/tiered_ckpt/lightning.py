@@ -291,7 +291,7 @@ class TieredCheckpointIO(CheckpointIO):
         self._resident(ckpt_dir)
         reader = TieredReader(root=ckpt_dir.parent.parent, model=ckpt_dir.parent.name, name=ckpt_dir.name,
                               config=self._config(ckpt_dir))
-        md = reader.read_metadata()
+        md = reader.checked_metadata()
         if _STATE_KEY not in md.state_dict_metadata:
             raise UserError(f"{ckpt_dir} is a DCP checkpoint but not one TieredCheckpointIO saved (no "
                             f"{_STATE_KEY!r} entry); load it with torch.distributed.checkpoint.load")

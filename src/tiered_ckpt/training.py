@@ -204,7 +204,7 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                           verify_hash=verify_hash)
     state = _states(model, optimizer)
     # Which entries the checkpoint holds (DCP's metadata; read without hashing: dcp.load verifies).
-    keys = set(TieredReader(cfg.root, cfg.model, name=reader.cid.name, config=cfg).read_metadata().state_dict_metadata)
+    keys = set(TieredReader(cfg.root, cfg.model, name=reader.cid.name, config=cfg).checked_metadata().state_dict_metadata)
     rank, _ = _rank_world()
     own = next((k for k in (_PER_RANK.format(rank=rank), _PER_RANK.format(rank=0)) if k in keys), None)
     borrowed = own is not None and own != _PER_RANK.format(rank=rank)
