@@ -16,7 +16,7 @@ import pytest
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
-from tiered_ckpt.errors import ConflictError, UserError
+from tiered_ckpt.errors import ConflictError, UnavailableError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import layout, writer
 from tiered_ckpt.io.options import IoOptions
@@ -139,15 +139,24 @@ def test_a_name_committed_in_blob_is_refused_even_without_a_local_trace(root: Pa
     tc.save({"a": b"v3"}, epoch=0, step=201, config=cfg)  # other names are fine
 
 
-def test_an_unreachable_archive_does_not_block_a_save(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_name_that_cannot_be_checked_against_the_archive_is_refused_unless_allowed(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
     key = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
     conn = f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={key};BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;"
     cfg = _archive_cfg(root, conn, "c")
-    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.io.writer"):
-        r = tc.save({"a": b"x" * 1000}, epoch=0, step=1, config=cfg)
+    d = root / "m" / "global_epoch0_step1"
+    with pytest.raises(UnavailableError, match="archive could not be asked whether global_epoch0_step1 is committed "
+                                                "there.*Nothing was written.*archive_check='best_effort'") as e:
+        tc.save({"a": b"x" * 1000}, epoch=0, step=1, config=cfg)
+    assert key not in str(e.value) and e.value.exit_code == 3
+    assert not d.exists(), "a refused save leaves nothing behind"
+    with pytest.raises(UserError, match="archive_check='sometimes'.*'required'.*'best_effort'"):
+        tc.save({"a": b"x"}, epoch=0, step=1, config=cfg, archive_check="sometimes")
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.lifecycle.reuse"):
+        r = tc.save({"a": b"x" * 1000}, epoch=0, step=1, config=cfg, archive_check="best_effort")
     assert mf.read_marker(r.path) is not None
     assert "could not check whether global_epoch0_step1 is committed in the archive" in caplog.text
-    assert key not in caplog.text
+    assert "COMMITTED.json will be replaced" in caplog.text and key not in caplog.text
 
 
 ENV_RANK = r"""
