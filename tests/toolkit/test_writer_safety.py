@@ -346,3 +346,54 @@ except UserError as e:
     p = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "cannot allocate the read buffer pool" in p.stdout and "io.threads" in p.stdout and "io.block_size" in p.stdout
+
+
+UMASK_077 = r"""
+import os, sys
+os.umask(0o077)                       # another user's (or a hardened image's) umask
+root, ptr = sys.argv[1], sys.argv[2]
+import tiered_ckpt as tc
+from tiered_ckpt.config import IoConfig, NodeConfig
+cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10,
+                                                   sync_buffer_bytes=256 << 10, staging_bytes=1 << 20))
+tc.save({"a": os.urandom(200_000)}, epoch=0, step=1, config=cfg)
+tc.async_save({"a": os.urandom(200_000)}, epoch=0, step=2, config=cfg).wait()
+try:
+    import torch
+except ImportError:
+    sys.exit(0)
+import torch.distributed.checkpoint as dcp
+from tiered_ckpt.dcp import TieredWriter
+from tiered_ckpt.training import save_training
+dcp.save({"w": torch.randn(300, 300), "obj": {"x": 1}}, storage_writer=TieredWriter(config=cfg, epoch=0, step=3),
+         no_dist=True)
+save_training(torch.nn.Linear(64, 64), epoch=0, step=4, config=cfg)
+try:
+    from tiered_ckpt.lightning import TieredCheckpointIO
+except ImportError:
+    sys.exit(0)
+TieredCheckpointIO(config=cfg).save_checkpoint({"epoch": 0, "global_step": 5, "state_dict": {"w": torch.ones(9)}}, ptr)
+"""
+
+
+def test_every_writer_sets_explicit_modes_under_umask_077(root: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    p = subprocess.run([sys.executable, "-c", UMASK_077, str(root), str(tmp_path / "lt" / "last.ckpt")],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = 5 if importlib.util.find_spec("lightning") else 4 if importlib.util.find_spec("torch") else 2
+    names = sorted(c.name for c in mf.scan(root, "m") if c.committed)
+    assert names == [f"global_epoch0_step{s}" for s in range(1, want + 1)], names
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root / "m"):
+        for dn in dirnames:
+            assert stat.S_IMODE((Path(dirpath) / dn).stat().st_mode) == 0o2775, Path(dirpath) / dn
+        for fn in filenames:
+            f = Path(dirpath) / fn
+            mode = stat.S_IMODE(f.stat().st_mode)
+            # lock files are opened read-write by every actor (group-writable); everything else 0644
+            assert mode == (0o664 if f.suffix == ".lock" else 0o644), (f, oct(mode))
+            seen += 1
+    assert stat.S_IMODE((root / "m").stat().st_mode) == 0o2775
+    assert seen > 4 * want      # markers, shards, part manifests or DCP metadata, locks
