@@ -3,7 +3,7 @@
 Nothing is followed through a symlink: the model and checkpoint directories are verified
 real directories (a symlink is refused, never written into), kept open, and every file is
 created relative to that descriptor with O_CREAT|O_EXCL|O_NOFOLLOW and explicit modes
-(directories 0755, files 0644, whatever the umask). `os_error` turns an OSError into one
+(directories fsafe.DIR_MODE 2775, files 0644, whatever the umask). `os_error` turns an OSError into one
 UserError naming the path and the fix.
 """
 from __future__ import annotations
