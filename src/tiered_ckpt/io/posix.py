@@ -169,18 +169,3 @@ def fsync_parents(root: Path, mdir: Path) -> None:
         os.fsync(rfd)
     finally:
         os.close(rfd)
-
-
-def remove_dir_if_empty(root: Path, mdir: Path, name: str) -> None:
-    """Remove the directory `name` of `mdir` if it is empty (best effort)."""
-    try:
-        mfd = fsafe.open_dir(mdir, anchor=root)
-    except OSError:
-        return
-    try:
-        os.rmdir(name, dir_fd=mfd)   # only if empty: never removes anything another writer put there
-        os.fsync(mfd)
-    except OSError:
-        pass
-    finally:
-        os.close(mfd)
