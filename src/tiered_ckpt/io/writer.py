@@ -239,7 +239,10 @@ class Save:
 
     def _commit_local(self) -> None:
         if self.comm.rank == 0:
-            self._commit()
+            try:
+                self._commit()
+            except OSError as e:
+                raise os_error(e, self.dir / mf.MARKER) from None
             self._release()
         elif self.file_mode:
             assert self.dfd is not None and self._part is not None and self.nonce is not None
@@ -307,7 +310,7 @@ class Save:
             return
         self._noted = True
         save_commit.note_failure(self.root, self.model, self.cid, self.comm.rank, self.comm.world_size, self.save_id,
-                                 exc, self.dfd, nonce=self.nonce if self.comm.rank == 0 else None)
+                                 exc, self.dfd, nonce=self.nonce)
 
     # -- rank 0 --------------------------------------------------------------------------
     def _commit(self) -> None:
