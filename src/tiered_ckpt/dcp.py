@@ -15,9 +15,11 @@ thread per file, xxh3-128 inline, fsync; small items share blocks instead of cos
 call each). The coordinator then writes DCP's pickled Metadata as ``dcp.<sid>.metadata`` (its
 save id; final name, fsynced; not a dot-name, which the exporter skips; only DCP's classes and
 builtins inside, so it unpickles without this package: docs/training.md) and last
-``COMMITTED.json`` listing every file with its size and hash. The coordinator holds the
-checkpoint name's lock from planning to the marker and refuses a name that is already
-committed; a save that fails releases it (at once when the coordinator's own write failed,
+``COMMITTED.json`` listing every file with its size and hash. The coordinator claims the name
+through io/claim.py, the one claim-and-commit path `tc.save` takes too: the name's lock from
+planning to the marker, a name committed here or in the archive refused (and one the archive
+cannot be asked about, unless archive_check="best_effort"), stale files of never-committed saves
+removed, the marker written last; a save that fails releases it (at once when the coordinator's own write failed,
 else when the writer is reset, closed or no longer referenced — the next claim of the name in
 this process collects such writers first).
 
@@ -55,7 +57,6 @@ import pickle
 import threading
 import time
 import weakref
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -76,17 +77,20 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from tiered_ckpt import dcp_stage, records
-from tiered_ckpt.config import IoConfig, NodeConfig
+from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
+from tiered_ckpt.config import load as load_config
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fill, fsafe, lock, pools
+from tiered_ckpt.io.claim import Claim
 from tiered_ckpt.io.fill import Pieces
 from tiered_ckpt.io.hashing import hash_path, new_hasher
 from tiered_ckpt.io.layout import SHARD, FilePlan, Segment, new_save_id
 from tiered_ckpt.io.options import IoOptions, WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline
-from tiered_ckpt.io.posix import fsync_parents, open_subdir, os_error, write_small
+from tiered_ckpt.io.posix import os_error, write_small
 from tiered_ckpt.io.sources import Source, byte_view, to_source
+from tiered_ckpt.lifecycle import reuse
 from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import SCHEMES, CheckpointId, make_id, parse_name, require_name, scheme
@@ -215,30 +219,28 @@ def _cid(name: str | None, epoch: int | None, step: int | None, naming: str = DE
 
 
 class _Hold:
-    """The coordinator's claim of the name and its directory descriptor, released once.
+    """The coordinator's claim of the name (io/claim.py), released once.
 
     Kept apart from the writer so that a `weakref.finalize` of the writer can release it: a
     save that failed on another rank never calls back into this writer (DCP skips `finish`),
     so the claim is released by reset()/close(), or when the writer object is gone.
     """
 
-    def __init__(self, claim: ExitStack, dfd: int, key: str) -> None:
-        self.claim: ExitStack | None = claim
-        self.dfd: int | None = dfd
+    def __init__(self, claim: Claim, key: str) -> None:
+        self.claim: Claim | None = claim
         self.key = key
+
+    @property
+    def dfd(self) -> int | None:
+        return self.claim.dfd if self.claim is not None else None
 
     def close(self) -> None:
         claim, self.claim = self.claim, None
-        dfd, self.dfd = self.dfd, None
         with _held_lock:
             if _held.get(self.key) is self:
                 del _held[self.key]
-        try:
-            if claim is not None:
-                claim.close()
-        finally:
-            if dfd is not None:
-                os.close(dfd)
+        if claim is not None:
+            claim.abandon()     # after the marker: only releases; before: removes nothing but its own empty directory
 
 
 # Lock files of checkpoint names this process's writers hold (flock conflicts within a process too).
@@ -251,13 +253,18 @@ class TieredWriter(StorageWriter):
 
     options: the I/O knobs (files per rank, writer threads, block size, O_DIRECT, hashing,
     sync_buffer_bytes); fields left at None take `config.io` (or the IoConfig defaults).
+    The archive the name is checked against is `config.archive`, else the node config file's
+    (none configured: nothing to check); archive_check as for tiered_ckpt.save.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, model: str | None = None, *,
                  name: str | None = None, epoch: int | None = None, step: int | None = None,
                  config: NodeConfig | None = None, options: IoOptions | None = None,
-                 checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+                 checkpoint_id: str | os.PathLike[str] | None = None,
+                 archive_check: str = "required") -> None:
         super().__init__()
+        self.archive: ArchiveConfig = (config if config is not None else load_config()).archive
+        self.archive_check = reuse.require_archive_check(archive_check)
         self.naming = config.naming if config is not None else DEFAULT_NAMING
         self._bound = True
         if checkpoint_id is not None:
@@ -421,12 +428,8 @@ class TieredWriter(StorageWriter):
             entries.append(mf.FileEntry(name, len(data), h.hexdigest(), 0))
             m = mf.Manifest(epoch=self.cid.epoch, step=self.cid.step, files=entries, world_size=len(results),
                             index={}, save_id=self.save_id)
-            try:
-                # The directory entries are durable before the marker names them.
-                fsync_parents(self.root, self.root / self.model)
-                mf.write_marker(self.path, m, dir_fd=self._dfd)
-            except OSError as e:
-                raise os_error(e, self.path / mf.MARKER) from None
+            assert self._hold is not None and self._hold.claim is not None
+            self._hold.claim.commit(m)
         except BaseException as e:
             log.error("DCP save of %s failed at commit: %s", self.cid.name, e,
                       extra=fields("dcp save", model=self.model, checkpoint=self.cid.name, outcome="error"))
@@ -481,61 +484,15 @@ class TieredWriter(StorageWriter):
             self._claim_once(key)
 
     def _claim_once(self, key: str) -> None:
-        mdir = self.root / self.model
-        rfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            try:
-                mfd, _ = open_subdir(rfd, self.model, mdir, create=True)
-            except OSError as e:
-                raise os_error(e, mdir) from None
-        finally:
-            os.close(rfd)
-        claim = ExitStack()
-        try:
-            try:
-                claim.enter_context(lock.checkpoint_lock(self.root, self.model, self.cid.name, "save", wait=0))
-            except ConflictError as e:
-                raise ConflictError(f"cannot save {self.cid.name} now: {e}; this save wrote nothing") from None
-            info = mf.inspect(self.model, self.path, self.cid, anchor=self.root)
-            if info.committed:
-                raise ConflictError(f"{self.path} is already a committed checkpoint; committed checkpoints are never "
-                                    "overwritten — save under another epoch/step, or delete it first (tiered-ckpt retention)")
-            try:
-                dfd, _ = open_subdir(mfd, self.cid.name, self.path, create=True)
-            except OSError as e:
-                raise os_error(e, self.path) from None
-            try:
-                self._clear_stale(dfd)
-            except BaseException:
-                os.close(dfd)
-                raise
-        except BaseException:
-            claim.close()
-            raise
-        finally:
-            os.close(mfd)
-        hold = _Hold(claim, dfd, key)
+        # Every rank writes after the global plan: everything in the directory now is stale.
+        claim = Claim.take(self.root, self.model, self.cid,
+                           name_check=reuse.checks_for(self.root, self.model, self.cid.name, self.archive,
+                                                       self.archive_check))
+        hold = _Hold(claim, key)
         with _held_lock:
             _held[key] = hold
         self._hold = hold
         self._finalizer = weakref.finalize(self, hold.close)
-
-    def _clear_stale(self, dfd: int) -> None:
-        """Files of earlier saves of this name that never committed (no other rank writes yet)."""
-        stale = []
-        with os.scandir(dfd) as it:
-            for e in it:
-                if e.is_dir(follow_symlinks=False):
-                    raise UserError(f"cannot write {self.path}: it holds a directory {e.name!r} that no save creates; "
-                                    "remove it or save under another epoch/step; the checkpoint was not committed")
-                stale.append(e.name)
-        for n in stale:
-            try:
-                os.unlink(n, dir_fd=dfd)      # never follows a symlink
-            except FileNotFoundError:
-                pass
-        if stale:
-            os.fsync(dfd)
 
     def _write(self, plan: SavePlan, planner: SavePlanner, rank: int, read: list[int]) -> list[WriteResult]:
         """This rank's items through the toolkit's write pipeline (pipeline.py): copy threads fill

@@ -112,17 +112,19 @@ def save_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                   scheduler: Any = None, extra: Mapping[str, Any] | None = None,
                   epoch: int | None = None, step: int | None = None, name: str | None = None,
                   root: str | Path | None = None, model_name: str | None = None,
-                  config: config_mod.NodeConfig | None = None) -> TrainingState:
+                  config: config_mod.NodeConfig | None = None, archive_check: str = "required") -> TrainingState:
     """Save model, optimizer, scheduler and `extra` as one committed DCP checkpoint (every rank calls it).
 
     Where: root= and model_name= (the checkpoint directory's model), else the node config's.
     Which: epoch= and step= (or step= alone for a step-only naming scheme), or name=.
-    Returns once the checkpoint is committed on every rank.
+    Returns once the checkpoint is committed on every rank. A name committed here or in the
+    config's archive is refused; archive_check as for tiered_ckpt.save.
     """
     if extra is not None and not isinstance(extra, Mapping):
         raise UserError(f"extra= must be a mapping (e.g. {{'rng': torch.get_rng_state()}}); got {type(extra).__name__}")
     cfg = _cfg(config, root, model_name)
-    writer = TieredWriter(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg)
+    writer = TieredWriter(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg,
+                          archive_check=archive_check)
     state = _states(model, optimizer)
     rank, _ = _rank_world()
     buf = io.BytesIO()
