@@ -492,6 +492,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
         holders = [sources[r][best] for r in range(world)]
         own = tm.own_root(mdir, world, rank)
         problem: str | None = None
+        refused = False          # the holder found its replica damaged and said so in its own record
         # Pulls in rank order; each pair only blocks its two ranks, every rank walks the same order.
         for r, h in enumerate(holders):
             if h is None:
@@ -500,8 +501,10 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
                 info = mf.find(tm.peer_root(mdir, world, r), cfg.model, best, cfg.naming)
                 bad = tm.hash_problems(info) if info is not None and info.committed else ["replica not committed"]
                 if bad:
-                    log.warning("memory tier: replica of rank %d's %s is damaged (%s); not sending it", r, best, bad[0],
-                                extra=fields("memory restore", model=cfg.model, checkpoint=best, outcome="damaged"))
+                    log.warning("memory tier: the replica of rank %d's %s failed verification (%s); rank %d falls back "
+                                "to an older step or the root", r, best, bad[0], r,
+                                extra=fields("memory restore", model=cfg.model, checkpoint=best, outcome="fallback",
+                                             tier=PEER, rank=r, reason=bad[0]))
                     replica.Sender(None, r, comm.group).run()      # an empty header: "none to send"
                 else:
                     assert info is not None
@@ -510,7 +513,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
                 try:
                     got, files = replica.recv_copy(h, comm.group)
                     if got != best:
-                        problem = f"rank {h} could not send a sound replica of {best}"
+                        problem, refused = f"rank {h} could not send a sound replica of {best}", True
                     else:
                         tm.ensure_root(own, mdir)
                         tm.write_copy(own, mdir, cfg.model, best, files)
@@ -530,7 +533,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
         if problem is not None:
             stats["fallbacks"] += 1
             nxt = "the peer's replica" if tier == MEMORY else "an older step or the root"
-            log.warning("memory tier: %s failed verification (%s); falling back to %s", best, problem, nxt,
+            log.log(logging.INFO if refused else logging.WARNING, "memory tier: %s failed verification (%s); falling back to %s", best, problem, nxt,
                         extra=fields("memory restore", model=cfg.model, checkpoint=best, outcome="fallback",
                                      tier=tier, rank=rank, reason=problem))
             if os.path.lexists(path):

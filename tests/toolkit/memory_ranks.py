@@ -31,9 +31,9 @@ mem = C.MemoryConfig(dir=A["mem"], keep=A.get("keep", 2), persist_every=A.get("p
                      notice_file=A.get("notice", "/nonexistent/notice"), peer_distance=A.get("distance", 1))
 cfg = C.NodeConfig(root=A["root"], model="m", memory=mem)
 
-def model_at(step):
+def model_at(step, width=None):
     torch.manual_seed(step)
-    return torch.nn.Sequential(torch.nn.Linear(A.get("width", 32), 32), torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(torch.nn.Linear(width or A.get("width", 32), 32), torch.nn.Linear(32, 4))
 
 def digest(m):
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in m.state_dict().values())).hexdigest()
@@ -63,7 +63,7 @@ if kill and kill[0] == rank:
 out = {"saved": [], "errors": []}
 for act in A["actions"]:
     if act[0] == "save":
-        m = model_at(act[1])
+        m = model_at(act[1], act[4] if len(act) > 4 else None)
         try:
             save_training(m, epoch=0, step=act[1], config=cfg, tier=act[2] if len(act) > 2 else "memory",
                           extra={"rank": rank, "step": act[1]}, persist=act[3] if len(act) > 3 else None)
@@ -81,6 +81,8 @@ for act in A["actions"]:
                        expected=digest(model_at(st.step)))
         except Exception as e:
             out["errors"].append(f"{type(e).__name__}: {e}")
+    elif act[0] == "touch":
+        open(act[1], "w").close()
     elif act[0] == "flush_on_term":
         memory_tier.install_emergency_flush(cfg)
         print(json.dumps({"ready": True}), flush=True)

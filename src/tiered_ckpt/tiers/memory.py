@@ -130,33 +130,44 @@ class Room:
 def make_room(cfg: MemoryConfig, root: Path, model: str, naming: str, need: int, name: str) -> Room:
     """Before writing a `need`-byte copy of `name` under `root`: evict this rank's oldest copies
     beyond memory.keep - 1, then more (never the newest committed one) while the budget would be
-    exceeded; if it still cannot fit, a UserError naming memory.budget_bytes (nothing written)."""
-    evicted: list[str] = []
+    exceeded. If even that cannot make it fit, a UserError naming memory.budget_bytes, and nothing
+    is evicted or written (the copies there stay restorable)."""
     infos = [i for i in _copies(root, model, naming) if i.name != name]
     done = [i for i in infos if i.committed]
-    for i in infos:
-        if not i.committed and done and i.id < done[-1].id:
-            remove(i, root, "an unfinished copy older than the newest")
-            evicted.append(i.name)
-    # The new copy takes one of the `keep` places.
-    while len(done) > max(0, cfg.keep - 1):
-        i = done.pop(0)
-        remove(i, root, f"memory.keep={cfg.keep}")
-        evicted.append(i.name)
+    stale = [i for i in infos if not i.committed and done and i.id < done[-1].id]
+    drop = list(stale) + done[:max(0, len(done) - max(0, cfg.keep - 1))]
+    left = [i for i in done if i not in drop]
     used = usage(cfg.dir)
     if cfg.budget_bytes:
-        while used + need > cfg.budget_bytes and len(done) > 1:
-            i = done.pop(0)
-            remove(i, root, f"memory.budget_bytes={cfg.budget_bytes}")
-            evicted.append(i.name)
-            used = usage(cfg.dir)
-        if used + need > cfg.budget_bytes:
+        size = {i.name: _size(i) for i in infos}
+        after = used - sum(size[i.name] for i in drop)
+        while after + need > cfg.budget_bytes and len(left) > 1:
+            i = left.pop(0)
+            drop.append(i)
+            after -= size[i.name]
+        if after + need > cfg.budget_bytes:
+            spare = max(0, cfg.budget_bytes - (after - sum(size[i.name] for i in left[:-1])))
             raise UserError(f"memory tier full: {name} needs {need} bytes on this node but memory.budget_bytes="
-                            f"{cfg.budget_bytes} leaves {max(0, cfg.budget_bytes - used)} free after evicting "
-                            f"{len(evicted)} older cop{'y' if len(evicted) == 1 else 'ies'} (the newest is always kept); "
-                            "raise memory.budget_bytes (keep x 2 copies of a node's share: `make plan` sizes it), "
-                            "lower memory.keep, or save with tier='lustre'; nothing was written to memory")
-    return Room(used, tuple(evicted))
+                            f"{cfg.budget_bytes} leaves at most {spare} free even after evicting every copy but the "
+                            "newest; raise memory.budget_bytes (keep x 2 copies of a node's share: `make plan` sizes "
+                            "it), lower memory.keep, or save with tier='lustre'; nothing was evicted or written")
+    for i in drop:
+        remove(i, root, "an unfinished copy older than the newest" if not i.committed else
+               f"memory.keep={cfg.keep}" if i in done[:max(0, len(done) - max(0, cfg.keep - 1))] else
+               f"memory.budget_bytes={cfg.budget_bytes}")
+    return Room(usage(cfg.dir), tuple(i.name for i in drop))
+
+
+def _size(info: mf.CheckpointInfo) -> int:
+    total = 0
+    try:
+        with os.scandir(info.path) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
 
 
 def hash_problems(info: mf.CheckpointInfo) -> list[str]:
