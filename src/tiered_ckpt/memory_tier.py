@@ -26,6 +26,7 @@ size is in the layout) and the load reshards from the root through DCP.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -252,10 +253,9 @@ def _compose(parts: list[tuple[Metadata, list[tuple[str, int, str | None]]]]) ->
                 planner.setdefault(k, v)
         for fqn, m in md.state_dict_metadata.items():
             if isinstance(m, TensorStorageMetadata):
-                cur = sdm.get(fqn)
-                if cur is None:
-                    cur = sdm[fqn] = TensorStorageMetadata(m.properties, m.size, [])
-                idxs = [(MetadataIndex(fqn, c.offsets), c) for c in m.chunks]
+                if fqn not in sdm:
+                    sdm[fqn] = TensorStorageMetadata(m.properties, m.size, [])
+                idxs: list[tuple[MetadataIndex, Any]] = [(MetadataIndex(fqn, c.offsets), c) for c in m.chunks]
             else:
                 if fqn in sdm:
                     continue
@@ -269,7 +269,7 @@ def _compose(parts: list[tuple[Metadata, list[tuple[str, int, str | None]]]]) ->
                     raise IntegrityError(f"rank {r}'s memory copy has no location for {fqn!r}; not persisted")
                 chosen[idx] = r
                 if chunk is not None:
-                    cur.chunks.append(chunk)
+                    sdm[fqn].chunks.append(chunk)
                 results[r].append(WriteResult(index=idx, size_in_bytes=stored.length, storage_data=stored))
                 needed[r].add(stored.relative_path)
     md0 = parts[0][0]
@@ -466,7 +466,11 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
     comm = _comm(cfg, "agree")
     drop_own: set[str] = set()
     drop_held: set[tuple[int, str]] = set()
-    cid_of = lambda n: parse_in(n, cfg.naming)  # noqa: E731
+    def cid_of(n: str) -> CheckpointId:
+        cid = parse_in(n, cfg.naming)
+        assert cid is not None      # only names parse_in read are ever listed
+        return cid
+
     while True:
         views = comm.phase("restoring", "the memory tier",
                            lambda: _view(cfg, mdir, rank, world, drop_own, drop_held))
@@ -481,10 +485,9 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
         common = set(sources[0])
         for s in sources[1:]:
             common &= set(s)
-        common = {n for n in common if cid_of(n) is not None}
         best = max(common, key=lambda n: cid_of(n)) if common else None
         on_root = views[0]["root"]
-        if best is None or (on_root is not None and cid_of(on_root) > cid_of(best)):  # type: ignore[operator]
+        if best is None or (on_root is not None and cid_of(on_root) > cid_of(best)):
             why = "no step every rank holds" if best is None else f"the root holds a newer {on_root}"
             log.log(logging.INFO if rank == 0 else logging.DEBUG, "memory tier: not restoring from memory (%s)", why,
                     extra=fields("memory restore", model=cfg.model, outcome="skipped", reason=why))
@@ -494,9 +497,10 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
         problem: str | None = None
         refused = False          # the holder found its replica damaged and said so in its own record
         # Pulls in rank order; each pair only blocks its two ranks, every rank walks the same order.
-        for r, h in enumerate(holders):
-            if h is None:
+        for r, holder in enumerate(holders):
+            if holder is None:
                 continue
+            h = holder
             if rank == h:
                 info = mf.find(tm.peer_root(mdir, world, r), cfg.model, best, cfg.naming)
                 bad = tm.hash_problems(info) if info is not None and info.committed else ["replica not committed"]
@@ -521,9 +525,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
                     problem = f"pulling {best} from rank {h} failed: {e}"
         path = own / cfg.model / best
         if problem is None:
-            cid = cid_of(best)
-            assert cid is not None
-            info = mf.inspect(cfg.model, path, cid, anchor=own)
+            info = mf.inspect(cfg.model, path, cid_of(best), anchor=own)
             if not info.committed:
                 problem = f"{path}: {info.why_not_committed or 'not committed'}"
             else:
@@ -553,7 +555,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
             # Ranks whose own copy failed were dropped locally; the others learn it from the next view.
             continue
         t0 = time.monotonic()
-        result = comm.phase("loading", best, lambda: load(own, best))
+        result = comm.phase("loading", best, functools.partial(load, own, best))
         stats["restores"] += 1
         log.log(logging.INFO if rank == 0 else logging.DEBUG, "memory tier: restored %s from %s in %.2fs", best, tier,
                 time.monotonic() - t0,

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import fsafe
 from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import fsafe
 
 CHUNK = 64 << 20
 _MAX_HEADER = 64 << 20

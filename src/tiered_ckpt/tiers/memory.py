@@ -82,7 +82,7 @@ def held_replicas(dir: str | os.PathLike[str], world: int, model: str, naming: s
 def usage(dir: str | os.PathLike[str]) -> int:
     """Bytes of regular files under memory.dir (symlinks are neither followed nor counted)."""
     total = 0
-    for top, dirs, files in os.walk(dir, followlinks=False):
+    for top, _dirs, files in os.walk(dir, followlinks=False):
         for f in files:
             try:
                 st = os.lstat(os.path.join(top, f))
@@ -137,6 +137,7 @@ def make_room(cfg: MemoryConfig, root: Path, model: str, naming: str, need: int,
     stale = [i for i in infos if not i.committed and done and i.id < done[-1].id]
     drop = list(stale) + done[:max(0, len(done) - max(0, cfg.keep - 1))]
     left = [i for i in done if i not in drop]
+    assert cfg.dir is not None
     used = usage(cfg.dir)
     if cfg.budget_bytes:
         size = {i.name: _size(i) for i in infos}
