@@ -159,19 +159,32 @@ def save(state: dict[str, Any], cfg: config_mod.NodeConfig, cid: CheckpointId, *
                          rank=rank, world_size=world))
     committed_at = time.monotonic()
 
+    def failed(what: str, e: BaseException) -> None:
+        j.error = j.error or e
+        log.error("memory tier: %s of %s failed: %s", what, cid.name, e,
+                  extra=fields(f"memory {what}", model=cfg.model, checkpoint=cid.name, outcome="error",
+                               error=type(e).__name__))
+
     def work() -> None:
+        # A failed replica or persist never stops training: logged, counted, and the next save's
+        # caller learns of it from wait_background(). Every rank runs both steps whatever failed
+        # (the persist's phases are collectives).
         try:
             if cfg.memory.peer_distance and world > 1:
-                _replicate(cfg, cid.name, copy, committed_at)
+                try:
+                    _replicate(cfg, cid.name, copy, committed_at)
+                except BaseException as e:  # noqa: BLE001 - see above
+                    failed("replica", e)
             if do_persist:
-                persist_now(cfg, cid.name, copy)
-                if noticed:
-                    stats["flushes"] += 1
-        except BaseException as e:  # noqa: BLE001 - a failed replica/persist never stops training
-            j.error = e
-            log.error("memory tier: background work on %s failed: %s", cid.name, e,
-                      extra=fields("memory background", model=cfg.model, checkpoint=cid.name, outcome="error",
-                                   error=type(e).__name__))
+                try:
+                    persist_now(cfg, cid.name, copy)
+                    if noticed:
+                        stats["flushes"] += 1
+                except BaseException as e:  # noqa: BLE001 - see above
+                    stats["persist_failures"] += 1
+                    failed("persist", e)
+        finally:
+            tm.write_stats(mdir, rank, stats)
 
     j = _Job(threading.Thread(target=work, daemon=True, name="tiered-ckpt-memory"), cid.name)
     _job[:] = [j]
@@ -395,6 +408,7 @@ def flush(cfg: config_mod.NodeConfig | None = None) -> str | None:
     done = persist_now(cfg, name, comm)
     if done:
         stats["flushes"] += 1
+        tm.write_stats(require_dir(cfg), comm.rank, stats)
         log.warning("memory tier: emergency flush persisted %s to %s in %.2fs", name, cfg.root, time.monotonic() - t0,
                     extra=fields("memory flush", model=cfg.model, checkpoint=name, duration_s=time.monotonic() - t0))
     return name if done else None
@@ -557,6 +571,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
         t0 = time.monotonic()
         result = comm.phase("loading", best, functools.partial(load, own, best))
         stats["restores"] += 1
+        tm.write_stats(mdir, rank, stats)
         log.log(logging.INFO if rank == 0 else logging.DEBUG, "memory tier: restored %s from %s in %.2fs", best, tier,
                 time.monotonic() - t0,
                 extra=fields("memory restore", model=cfg.model, checkpoint=best, outcome="restored", tier=tier,

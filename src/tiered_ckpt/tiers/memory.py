@@ -18,9 +18,11 @@ tiered_ckpt.replica's.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,3 +237,72 @@ def write_copy(root: Path, anchor: str | os.PathLike[str], model: str, name: str
     finally:
         os.close(fd)
     return d
+
+
+# -- what the node's memory tier holds and has done, for metrics and status ---------------------
+
+STATS_DIR = ".stats"
+# Counters each rank's process keeps (tiered_ckpt.memory_tier.stats); summed over the node's ranks.
+COUNTERS = ("saves", "replicas", "replica_failures", "persists", "persist_failures", "flushes", "restores",
+            "fallbacks")
+
+
+def write_stats(dir: str | os.PathLike[str], rank: int, stats: dict[str, float]) -> None:
+    """This rank's counters as <dir>/.stats/r<rank>.json (atomic replace; best effort)."""
+    d = Path(dir) / STATS_DIR
+    try:
+        d.mkdir(exist_ok=True)
+        tmp = d / f".r{rank}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({**stats, "time_unix": time.time()}, sort_keys=True))
+        os.replace(tmp, d / f"r{rank}.json")
+    except OSError as e:
+        log.debug("memory tier: could not write its counters under %s: %s", d, e)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One node's memory tier: bytes held, copies, the newest step, the ranks' counters."""
+
+    dir: str
+    used_bytes: int
+    budget_bytes: int
+    own: int                       # committed own copies (all ranks of this node)
+    peer: int                      # committed replicas held for other nodes
+    newest_step: int | None
+    newest: str | None
+    counters: dict[str, float]
+    replica_lag_seconds: float | None
+
+
+def summary(cfg: MemoryConfig, model: str, naming: str) -> Summary | None:
+    """None when the memory tier is off (memory.dir unset) or its directory is absent."""
+    if not cfg.dir or not Path(cfg.dir).is_dir():
+        return None
+    own = peer = 0
+    newest: mf.CheckpointInfo | None = None
+    for wdir in sorted(Path(cfg.dir).glob("w*")):
+        for rdir in sorted(wdir.glob("r*")):
+            got = committed(rdir, model, naming)
+            own += len(got)
+            if got and (newest is None or got[-1].id > newest.id):
+                newest = got[-1]
+    for wdir in sorted((Path(cfg.dir) / "peer").glob("w*")):
+        for rdir in sorted(wdir.glob("r*")):
+            peer += len(committed(rdir, model, naming))
+    counters = dict.fromkeys(COUNTERS, 0.0)
+    lag: float | None = None
+    for f in sorted((Path(cfg.dir) / STATS_DIR).glob("r*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(d, dict):
+            continue
+        for k in COUNTERS:
+            if isinstance(d.get(k), (int, float)):
+                counters[k] += float(d[k])
+        v = d.get("replica_lag_seconds")
+        if isinstance(v, (int, float)) and d.get("replicas"):
+            lag = max(lag or 0.0, float(v))
+    return Summary(cfg.dir, usage(cfg.dir), cfg.budget_bytes, own, peer,
+                   newest.id.step if newest else None, newest.name if newest else None, counters, lag)
