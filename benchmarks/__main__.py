@@ -1,7 +1,7 @@
 """Run every benchmark suite in turn (or the ones named); each prints its own figures and ratios.
 
     python -m benchmarks                 # all suites (`make bench`)
-    python -m benchmarks scale [--quick] # one suite: scale, io, lifecycle or dcp; options go to the suites
+    python -m benchmarks scale [--quick] # one suite: scale, io, lifecycle, dcp or memory; options go to the suites
     python -m benchmarks scale --json    # the scale suite's goals as one JSON object on stdout (dcp too)
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from benchmarks import BENCH_ERROR, dcp_bench, io_bench, lifecycle_bench, scale_bench
+from benchmarks import BENCH_ERROR, dcp_bench, io_bench, lifecycle_bench, memory_bench, scale_bench
 
 # Registered by direct import: a suite that fails to import is an error, not a silent skip.
 SUITES: tuple[tuple[str, str, Callable[[Sequence[str] | None], int]], ...] = (
@@ -17,6 +17,7 @@ SUITES: tuple[tuple[str, str, Callable[[Sequence[str] | None], int]], ...] = (
     ("io", "benchmarks.io_bench", io_bench.main),                       # tc.save/tc.load vs fio on raw buffers, hashing cost, memory
     ("lifecycle", "benchmarks.lifecycle_bench", lifecycle_bench.main),  # archive proof with a fake lfs, restore vs plain parallel download
     ("dcp", "benchmarks.dcp_bench", dcp_bench.main),                    # TieredWriter/Reader vs DCP's FileSystemWriter/Reader and fio
+    ("memory", "benchmarks.memory_bench", memory_bench.main),           # memory tier: blocked time vs copy floor, recovery per tier
 )
 
 

@@ -23,11 +23,11 @@ import torch.distributed as dist
 A = json.loads(sys.argv[1])
 rank, world = A["rank"], A["world"]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{A['port']}", rank=rank, world_size=world,
-                        timeout=timedelta(seconds=A.get("pg_timeout", 20)))
+                        timeout=timedelta(seconds=A.get("pg_timeout", 120)))
 from tiered_ckpt import config as C, memory_tier
 from tiered_ckpt.training import load_training, save_training
 mem = C.MemoryConfig(dir=A["mem"], keep=A.get("keep", 2), persist_every=A.get("persist_every", 100),
-                     timeout=A.get("timeout", 4), budget_bytes=A.get("budget", 0),
+                     timeout=A.get("timeout", 30), budget_bytes=A.get("budget", 0),
                      notice_file=A.get("notice", "/nonexistent/notice"), peer_distance=A.get("distance", 1))
 cfg = C.NodeConfig(root=A["root"], model="m", memory=mem)
 
@@ -118,7 +118,7 @@ def start(nodes: int, per_node: int, root: Path, mems: list[Path], actions: list
     return t0, procs
 
 
-def collect(t0: float, procs: list[subprocess.Popen[str]], timeout: float = 90) -> list[Ranked]:
+def collect(t0: float, procs: list[subprocess.Popen[str]], timeout: float = 600) -> list[Ranked]:
     done: list[Ranked] = []
     for r, p in enumerate(procs):
         try:
