@@ -49,11 +49,18 @@ def peer_root(dir: str | os.PathLike[str], world: int, rank: int) -> Path:
 
 
 def ensure_root(root: Path, anchor: str | os.PathLike[str]) -> Path:
-    """Create a copy root below memory.dir (which must exist: the node boot mounts it)."""
+    """Create a copy root below memory.dir; memory.dir itself is created when its parent exists
+    (/dev/shm on every Linux node; a dedicated tmpfs mount the node boot made)."""
     base = Path(anchor)
     if not base.is_dir():
-        raise UserError(f"memory.dir {base} does not exist or is not a directory; create it (the node boot mounts a "
-                        "tmpfs there) or set memory.dir to a tmpfs directory such as /dev/shm/tiered-ckpt")
+        if base.parent.is_dir() and not os.path.lexists(base):
+            try:
+                base.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
+        if not base.is_dir():
+            raise UserError(f"memory.dir {base} does not exist or is not a directory; create it (or mount a tmpfs "
+                            "there) or set memory.dir to a tmpfs directory such as /dev/shm/tiered-ckpt")
     fd = fsafe.make_dirs(root, anchor=base)
     os.close(fd)
     return root
