@@ -13,6 +13,9 @@ from tests.toolkit import memory_ranks as M
 from tiered_ckpt.io import commit as mf
 
 pytest.importorskip("torch")
+# Each test is two or three launches of real processes (each imports torch): seconds on an idle
+# machine, minutes on a loaded one. A ceiling, not a target.
+pytestmark = pytest.mark.timeout(900)
 
 NAME = "global_epoch0_step{}"
 
