@@ -95,3 +95,21 @@ def test_metrics_and_status_show_this_nodes_memory_tier(tmp_path: Path, capsys: 
     assert doc["memory"]["own"] == 2 and doc["memory"]["newest"] == "global_epoch0_step2"
     cli.main(["status", "--config", str(conf)])
     assert "memory tier (this node" in capsys.readouterr().out
+
+
+def test_latest_knows_every_tier(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from tiered_ckpt import memory_tier
+
+    mdir, lustre = tmp_path / "shm", tmp_path / "lustre"
+    cfg = NodeConfig(root=str(lustre), model="m", memory=MemoryConfig(dir=str(mdir)))
+    lustre.mkdir()
+    assert memory_tier.latest(cfg, 1, 2) is None
+    _copy(tm.peer_root(mdir, 2, 1), 3)          # only a replica this node holds for rank 1
+    assert memory_tier.latest(cfg, 1, 2) == ("global_epoch0_step3", "peer")
+    _copy(lustre, 2)
+    _copy(tm.own_root(mdir, 2, 0), 4)           # a memory-only checkpoint is never "none"
+    assert memory_tier.latest(cfg, 0, 2) == ("global_epoch0_step4", "memory")
+    _copy(lustre, 5)
+    assert memory_tier.latest(cfg, 0, 2) == ("global_epoch0_step5", "lustre")
+    assert memory_tier.latest(cfg, 0, 4) == ("global_epoch0_step5", "lustre")    # another world size: memory is not it
