@@ -57,10 +57,16 @@ class M(torch.nn.Module):
         self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(n // 4 // k)) for _ in range(k))
 m = M()
 out = {}
+# One-time costs (DCP's first plan, the toolkit's process groups) are paid before any clock starts.
+w = torch.nn.Linear(2, 2)
+warm = C.NodeConfig(root=A["root"], model="bench-warm")
 if A["op"] == "save":
+    save_training(w, epoch=0, step=1, config=warm)
     torch.manual_seed(0)
     for p in m.ps:
         p.data.normal_()
+    save_training(m, epoch=0, step=0, config=cfg, tier="memory", persist=False)
+    memory_tier.wait_background()
     floor = []
     blocked = []
     for i in range(A["rounds"]):
@@ -76,6 +82,9 @@ if A["op"] == "save":
     save_training(m, epoch=0, step=1, config=C.NodeConfig(root=A["root"], model="bench-lustre"))
     out.update(floor=min(floor), blocked=min(blocked), lustre_save=time.perf_counter() - t0)
 else:
+    load_training(w, config=warm)
+    if A["memory"] and world > 1:
+        memory_tier._comm(cfg, "agree")
     t0 = time.perf_counter()
     st = load_training(m, config=cfg)
     out.update(seconds=time.perf_counter() - t0, tier=st.tier, step=st.step)

@@ -60,7 +60,7 @@ from tiered_ckpt.tiers import memory as tm
 log = logging.getLogger(__name__)
 
 MEMORY, PEER, LUSTRE, ARCHIVE = "memory", "peer", "lustre", "archive"
-_MEM_IO = IoOptions(direct=False, files=1)      # tmpfs: no O_DIRECT; few files (no OSTs to spread over)
+_MEM_IO = IoOptions(direct=False)      # tmpfs has no O_DIRECT; parallel writers still scale with memory bandwidth
 
 
 def require_dir(cfg: config_mod.NodeConfig) -> str:
