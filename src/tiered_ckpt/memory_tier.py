@@ -286,7 +286,8 @@ def _compose(parts: list[tuple[Metadata, list[tuple[str, int, str | None]]]]) ->
                 results[r].append(WriteResult(index=idx, size_in_bytes=stored.length, storage_data=stored))
                 needed[r].add(stored.relative_path)
     md0 = parts[0][0]
-    meta = replace(md0, state_dict_metadata=sdm, planner_data=planner, storage_data=None)
+    # storage_meta named rank 0's memory copy (its path and save id): the root's copy is its own.
+    meta = replace(md0, state_dict_metadata=sdm, planner_data=planner, storage_data=None, storage_meta=None)
     return _Composed(meta, results, [sorted(n) for n in needed])
 
 
