@@ -77,7 +77,7 @@ def test_three_nodes_a_corrupt_replica_byte_falls_back_to_the_previous_step_in_o
 
 def test_sigkill_mid_save_every_rank_resumes_the_step_all_of_them_committed(root: Path, tmp_path: Path) -> None:
     mems = _nodes(tmp_path, 2)
-    res = M.run(2, 1, root, mems, [["save", 1], ["save", 2], ["save", 3]], kill=[1, 3, "save"])
+    res = M.run(2, 1, root, mems, [["save", 1], ["save", 2], ["save", 3]], kill=[1, 3, "save"], timeout=10)
     assert res[1].rc == -signal.SIGKILL
     assert res[0].rc == 0 and res[0].out["saved"] == [1, 2]
     assert any("not every rank took part" in e for e in res[0].out["errors"]), res[0].out
@@ -88,7 +88,7 @@ def test_sigkill_mid_save_every_rank_resumes_the_step_all_of_them_committed(root
 
 def test_sigkill_mid_replica_then_a_lost_node_resumes_from_the_last_whole_replica(root: Path, tmp_path: Path) -> None:
     mems = _nodes(tmp_path, 2)
-    res = M.run(2, 1, root, mems, [["save", 1], ["save", 2], ["save", 3]], kill=[1, 3, "replica"])
+    res = M.run(2, 1, root, mems, [["save", 1], ["save", 2], ["save", 3]], kill=[1, 3, "replica"], timeout=10)
     assert res[1].rc == -signal.SIGKILL
     assert res[0].rc == 0 and res[0].out["saved"] == [1, 2, 3]
     assert any("replica" in e for e in res[0].out["errors"]), res[0].out      # logged, training went on
