@@ -449,6 +449,8 @@ def _slurm_files(n: NodeInputs) -> list[dict[str, str]]:
              'ap.add_argument("--client-id", required=True', f'ap.add_argument("--client-id", default={n.slurm.vault_client_id!r}')},
     ]
     drain = " --drain" if n.role == ROLE_NODE else ""
+    # With the memory tier on, the watcher tells the job first (its memory.notice_file).
+    notice = f" --notice {MemoryConfig().notice_file}" if n.memory_keep and n.role == ROLE_NODE else ""
     files += [
         {"path": EVENTS_TOOL, "permissions": "0755", "content": (SCRIPTS / "scheduled_events.py").read_text()},
         {"path": f"/etc/systemd/system/{EVENTS_UNIT}.service", "permissions": "0644", "content": f"""[Unit]
@@ -457,7 +459,7 @@ After=network-online.target remote-fs.target
 Wants=network-online.target
 
 [Service]
-ExecStart=/usr/bin/python3 {EVENTS_TOOL} --mount {MOUNT}{drain}
+ExecStart=/usr/bin/python3 {EVENTS_TOOL} --mount {MOUNT}{drain}{notice}
 Restart=always
 RestartSec=5
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Azure Scheduled Events watcher: leave Lustre cleanly before Azure takes the VM away.
 
-On a Terminate or Preempt notice that names this VM: drain the node in Slurm (no new work lands on it),
+On a Terminate or Preempt notice that names this VM: write the memory tier's notice file (--notice:
+the training job persists its newest memory checkpoint at its next memory save), drain the node in Slurm (no new work lands on it),
 unmount Lustre (an unclean client eviction stalls every other client of the file system for up to 15
 minutes), then acknowledge the event so Azure proceeds without waiting out the notice.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -67,9 +69,26 @@ def unmount(mount: str, grace_s: float) -> bool:
     return any(_run(cmd) == 0 for cmd in (["umount", mount], ["umount", "-f", mount], ["umount", "-l", mount]))
 
 
+def notify(path: str, ev: dict[str, Any]) -> None:
+    """Tell the training job first (the toolkit's memory.notice_file): its next memory-tier save is
+    persisted to Lustre at once, before this node and its RAM go."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"EventId": ev.get("EventId"), "EventType": ev.get("EventType"), "NotBefore": ev.get("NotBefore")}, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        _log(f"notice written to {path}")
+    except OSError as err:
+        _log(f"could not write the notice {path}: {err}")
+
+
 def handle(ev: dict[str, Any], args: argparse.Namespace, node: str) -> None:
     kind, eid = ev.get("EventType"), str(ev.get("EventId"))
     _log(f"{kind} {eid} for {node} (not before {ev.get('NotBefore') or 'now'})")
+    if args.notice:
+        notify(args.notice, ev)
     if args.drain:
         _run([args.scontrol, "update", f"nodename={node}", "state=drain", f"reason=azure scheduled event {kind} {eid}"])
     grace = min(args.grace, PREEMPT_GRACE_S) if kind == "Preempt" else args.grace
@@ -90,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--once", action="store_true", help="one poll, then exit (tests)")
     ap.add_argument("--imds", default="http://169.254.169.254")
+    ap.add_argument("--notice", default="", help="file to write first (the memory tier's memory.notice_file); empty: none")
     args = ap.parse_args(argv)
     node = socket.gethostname().split(".")[0]
     me = ""

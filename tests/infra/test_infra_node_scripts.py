@@ -196,6 +196,20 @@ def test_a_terminate_notice_drains_then_unmounts_lustre_then_acknowledges(azure:
                      "umount /lustrefs", 'ack {"StartRequests": [{"EventId": "E-1"}]}'], calls
 
 
+def test_with_the_memory_tier_the_notice_is_written_before_anything_else(azure: FakeAzure, tmp_path: Path) -> None:
+    env = _fake_bins(tmp_path, azure.log)
+    azure.events["Events"] = [{"EventId": "P-1", "EventType": "Preempt", "Resources": ["vm0"], "EventStatus": "Scheduled",
+                               "NotBefore": ""}]
+    notice = tmp_path / "run" / "tiered-ckpt" / "preempt"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "scheduled_events.py"), "--imds", azure.url, "--once", "--drain",
+                        "--mount", "/lustrefs", "--grace", "5", "--notice", str(notice)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(notice.read_text())["EventType"] == "Preempt"      # what memory.notice_file waits for
+    out = r.stdout
+    assert out.index("notice written") < out.index("unmounted") < out.index("acknowledged P-1"), out
+
+
 def test_a_busy_mount_gets_its_processes_stopped_before_the_acknowledgement(azure: FakeAzure, tmp_path: Path) -> None:
     log = azure.log
     env = _fake_bins(tmp_path, log)
