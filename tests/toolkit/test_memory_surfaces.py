@@ -113,3 +113,20 @@ def test_latest_knows_every_tier(tmp_path: Path) -> None:
     _copy(lustre, 5)
     assert memory_tier.latest(cfg, 0, 2) == ("global_epoch0_step5", "lustre")
     assert memory_tier.latest(cfg, 0, 4) == ("global_epoch0_step5", "lustre")    # another world size: memory is not it
+
+
+def test_planted_symlinks_in_the_memory_tier_are_neither_followed_nor_written_through(tmp_path: Path) -> None:
+    mdir, elsewhere = tmp_path / "shm", tmp_path / "elsewhere"
+    _copy(elsewhere / "w2" / "r0", 7)
+    own = tm.own_root(mdir, 2, 0)
+    own.mkdir(parents=True)
+    (own / "m").symlink_to(elsewhere / "w2" / "r0" / "m")          # another user's copies, or anything
+    assert tm.committed(own, "m", "global_epoch") == []
+    assert tm.usage(mdir) == 0
+    peer = tm.peer_root(mdir, 2, 1)
+    peer.parent.mkdir(parents=True)
+    peer.symlink_to(elsewhere)
+    assert tm.held_replicas(mdir, 2, "m", "global_epoch") == {}
+    with pytest.raises(OSError):
+        tm.write_copy(peer, mdir, "m", "global_epoch0_step8", [("x.bin", [b"data"])])
+    assert not (elsewhere / "m").exists()
