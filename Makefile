@@ -44,10 +44,13 @@ debs:
 
 install: $(STAMP) $(AZURITE) debs
 
+# requires-python is >=3.10: the program and the toolkit must not need a newer Python (vermin, 3.10 floor).
+VERMIN_ARGS = --target=3.10- --no-tips --violations --eval-annotations -q
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	PYTHONPATH=src:. $(BIN)/lint-imports
+	$(BIN)/vermin $(VERMIN_ARGS) src components __main__.py
 
 unit: install
 	$(BIN)/pytest $(PYTEST_ARGS)

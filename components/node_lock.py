@@ -24,7 +24,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:                           # Python 3.10 (requires-python >= 3.10): tomllib is the stdlib copy of tomli
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK = Path(__file__).resolve().parent / "node-requirements.txt"
