@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import BENCH_ERROR, report
+from benchmarks.harness import BENCH_ERROR, REPO, drop_caches, report
 
 GIB = 1 << 30
 # The prod stack (issue 25): 912 GiB checkpoint on 8 ND H100 v5 nodes; Microsoft's size docs and
@@ -34,6 +34,11 @@ GIB = 1 << 30
 # InfiniBand per node, AMLFS at 64 GB/s aggregate, Blob ~130 s for the 912 GiB.
 PROD = {"checkpoint_gib": 912, "nodes": 8, "gpus_per_node": 8, "d2h_gbps_per_gpu": 52.0,
         "ib_gbps_per_node": 8 * 400 / 8, "amlfs_gbps": 64.0, "blob_seconds": 130.0}
+
+# Goal per ratio (python -m benchmarks' table reads them): blocked time over the host-copy floor,
+# recovery from memory and from the peer over recovery from the Lustre stand-in.
+GOALS: dict[str, tuple[str, float]] = {"blocked_over_floor": ("<=", 1.2), "memory_over_lustre": ("<=", 0.5),
+                                       "peer_over_lustre": ("<=", 1.0)}
 
 _CHILD = r"""
 import json, os, sys, time
@@ -118,15 +123,6 @@ def _run(op: str, world: int, root: Path, mems: list[Path], mib: int, rounds: in
     return outs
 
 
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return True
-    except OSError:
-        return False
-
-
 def bench(mib: int, rounds: int, tmp: Path, shm: Path) -> dict[str, Any]:
     root = tmp / "lustre"
     root.mkdir()
@@ -138,7 +134,7 @@ def bench(mib: int, rounds: int, tmp: Path, shm: Path) -> dict[str, Any]:
     shutil.rmtree(mems[1])
     mems[1].mkdir()
     load_peer = _run("load", 2, root, mems, mib, rounds, True)
-    dropped = _drop_caches()
+    dropped = drop_caches()
     load_lus = _run("load", 2, root, mems, mib, rounds, False)
     state = mib << 20
     floor, blocked = saved[0]["floor"], saved[0]["blocked"]
@@ -154,11 +150,11 @@ def bench(mib: int, rounds: int, tmp: Path, shm: Path) -> dict[str, Any]:
         "load_memory_s": t_mem, "load_peer_s": t_peer, "load_lustre_s": t_lus,
         "memory_over_lustre": t_mem / t_lus, "peer_over_lustre": t_peer / t_lus, "tiers": tiers,
     }
-    res["met"] = {"blocked <= 1.2 x floor": res["blocked_over_floor"] <= 1.2,
-                  "memory load <= 0.5 x lustre": res["memory_over_lustre"] <= 0.5,
-                  "peer load <= 1 x lustre": res["peer_over_lustre"] <= 1.0,
-                  "right tiers": tiers == {"memory": ["memory", "memory"], "peer": ["memory", "peer"],
-                                           "lustre": ["lustre", "lustre"]}}
+    res["goals"] = GOALS
+    res["ratios"] = {k: res[k] for k in GOALS}
+    res["met"] = {k: res[k] <= thr for k, (_, thr) in GOALS.items()}
+    res["met"]["right_tiers"] = tiers == {"memory": ["memory", "memory"], "peer": ["memory", "peer"],
+                                          "lustre": ["lustre", "lustre"]}
     res["projection"] = project(res)
     return res
 
@@ -209,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/memory.json"))
+    ap.add_argument("--out", type=Path, default=REPO / ".bench" / "memory_results.json")
     args, _ = ap.parse_known_args(argv)
     if args.quick:
         args.mib, args.rounds = 32, 1

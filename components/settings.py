@@ -207,8 +207,15 @@ class Settings:
         "Number of GPU nodes.")
     node_ethernet_gbps: int = key("nodeEthernetGbps", 0,
         "Per-node Ethernet in Gbit/s for the sizing model; 0 = known value for the VM size.")
-    storage_sku: str = key("storageSku", "Standard_LRS",
-        "Storage account redundancy (Standard_*; archive tiering needs LRS/GRS/RA-GRS).")
+    # Zone-redundant by default: the archive is the only durable copy of every checkpoint, and the
+    # file system is zonal (`zone`), so a zone outage must not take the archive with it. AMLFS blob
+    # integration accepts every Standard redundancy (LRS, ZRS, GRS, RA-GRS, GZRS, RA-GZRS; Premium
+    # block blob LRS/ZRS): https://learn.microsoft.com/azure/azure-managed-lustre/amlfs-prerequisites
+    # ("Supported storage account types"). The lifecycle tiers to Cool/Cold only, which ZRS supports
+    # (the Archive tier, which it does not, is never used). GZRS adds an asynchronous copy in the
+    # paired region, for a disaster-recovery plan that has compute there too.
+    storage_sku: str = key("storageSku", "Standard_ZRS",
+        "Storage account redundancy of the archive (the only durable copy): Standard_ZRS (default, survives a zone outage), Standard_GZRS for a second region, Standard_LRS for a throw-away stack.")
     checkpoint_prefix: str = key("checkpointPrefix", "/checkpoints",
         "Absolute Lustre path of the checkpoint root under /lustrefs; also the blob prefix exported and imported.")
     model_name: str = key("modelName", "default",
