@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from tiered_ckpt import records
-from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig, dump, validate
+from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, MemoryConfig, NodeConfig, RetentionConfig, dump, validate
 
 from . import node_lock, slurm_conf
 
@@ -118,6 +118,8 @@ class NodeInputs:
     schedule: str
     tools_url: str      # https://<tools account>.blob.core.windows.net/<container>/<blob>
     tools_sha256: str
+    memory_keep: int = 0            # the memory tier (0: off): copies per rank in node RAM
+    memory_budget_bytes: int = 0    # bytes this node's memory tier may hold (keep x 2 x its share)
     role: str = ROLE_NODE           # ROLE_NODE (ND node, slurmd), ROLE_LOGIN (slurmctld, retention), ROLE_BYO
     admin_user: str = "azureuser"
     training_user: str = "azureuser"
@@ -171,6 +173,11 @@ def build_toolkit(repo_root: Path, out_dir: Path) -> Toolkit:
     return Toolkit(path=path, sha256=sha, blob_name=path.name)
 
 
+# The memory tier's directory: in /dev/shm, the tmpfs every Linux node has (half its RAM by default,
+# which `make plan` checks the memory tier against); the toolkit creates it on first use.
+MEMORY_TIER_DIR = "/dev/shm/tiered-ckpt"
+
+
 def node_config(n: NodeInputs) -> NodeConfig:
     """The toolkit's own config object, validated by the toolkit's own rules."""
     cfg = NodeConfig(
@@ -183,6 +190,8 @@ def node_config(n: NodeInputs) -> NodeConfig:
         amlfs=AmlfsConfig(mount=MOUNT, subscription_id=n.subscription_id, resource_group=n.resource_group,
                           filesystem=n.filesystem, autoexport_job=n.autoexport_job, provisioned_gbps=n.provisioned_gbps),
         retention=RetentionConfig(keep_last=n.keep_last, keep_every_steps=n.keep_every_steps, min_keep=n.min_keep, action=n.action),
+        memory=MemoryConfig() if not n.memory_keep else
+        MemoryConfig(dir=MEMORY_TIER_DIR, keep=n.memory_keep, budget_bytes=n.memory_budget_bytes),
     )
     validate(cfg)
     return cfg
@@ -249,6 +258,8 @@ def boot_settings(n: NodeInputs) -> dict[str, str]:
         "RETENTION_ACTION": n.action, "RETENTION_SCHEDULE": n.schedule,
         "GPUS_PER_NODE": str(n.gpus_per_node if n.role == ROLE_NODE else 0),
         "SLURM": "0",
+        # With the memory tier on, the events watcher writes the job's memory.notice_file first.
+        "MEMORY_NOTICE": MemoryConfig().notice_file if n.memory_keep and n.role == ROLE_NODE else "",
     }
     env.update(dict(n.security_env))
     if env["TIERED_LUSTRE_CLIENT"] not in LUSTRE_CLIENTS:

@@ -401,5 +401,7 @@ def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any], *,
         autoexport_job=v["job"], provisioned_gbps=float(v["gbps"]), keep_last=s.retention_keep_last,
         keep_every_steps=s.retention_keep_every_steps, min_keep=s.retention_min_keep, action=s.retention_action,
         schedule=s.retention_schedule,
+        memory_keep=s.memory_keep,
+        memory_budget_bytes=int(s.memory_keep * 2 * s.checkpoint_size_gib * (1 << 30) // max(1, s.node_count)),
         tools_url=f"{v['tools_endpoint'].rstrip('/')}/{v['tools_container']}/{v['blob_name']}",
         tools_sha256=toolkit.sha256)

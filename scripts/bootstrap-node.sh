@@ -41,6 +41,6 @@ if [ "${SLURM:-0}" = 1 ]; then
   systemctl daemon-reload
   systemctl enable slurmd
   systemctl restart slurmd || die "slurmd did not start: journalctl -u slurmd"
-  events_watcher --drain
+  events_watcher "--drain${MEMORY_NOTICE:+ --notice $MEMORY_NOTICE}"
 fi
 log "done"

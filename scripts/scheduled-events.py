@@ -95,9 +95,26 @@ def checkpoint_jobs(args: argparse.Namespace, node: str, grace_s: float) -> None
         jobs = out.split() if code == 0 else []
 
 
+def notify(path: str, ev: dict[str, Any]) -> None:
+    """Tell the training job first (the toolkit's memory.notice_file): its next memory-tier save is
+    persisted to Lustre at once, before this node and its RAM go (docs/memory.md)."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"EventId": ev.get("EventId"), "EventType": ev.get("EventType"), "NotBefore": ev.get("NotBefore")}, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)      # whole or absent for the job that polls it (not in the checkpoint tree)
+        _log(f"notice written to {path}")
+    except OSError as err:
+        _log(f"could not write the notice {path}: {err}")
+
+
 def handle(ev: dict[str, Any], args: argparse.Namespace, node: str) -> None:
     kind, eid = str(ev.get("EventType")), str(ev.get("EventId"))
     _log(f"{kind} {eid} for {node} (not before {ev.get('NotBefore') or 'now'})")
+    if args.notice:
+        notify(args.notice, ev)
     short = kind == "Preempt"
     if args.drain:
         _run([args.scontrol, "update", f"nodename={node}", "state=drain", f"reason=azure scheduled event {kind} {eid}"])
@@ -154,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--once", action="store_true", help="one poll, then exit (tests)")
     ap.add_argument("--imds", default="http://169.254.169.254")
+    ap.add_argument("--notice", default="", help="file to write first (the memory tier's memory.notice_file); empty: none")
     args = ap.parse_args(argv)
     node = socket.gethostname().split(".")[0]
     me = ""

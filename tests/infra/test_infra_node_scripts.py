@@ -8,6 +8,7 @@ System commands the scripts call (scontrol, umount, nvidia-smi, ...) are stand-i
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -183,6 +184,20 @@ def test_the_controller_deletes_dynamic_nodes_that_stay_down_and_keeps_the_rest(
     assert run("gone\nbusy\nrebooting\n") == ["scontrol delete nodename=gone"]
     assert run("rebooting\n") == ["scontrol delete nodename=rebooting"]
     assert run("") == []
+
+
+def test_with_the_memory_tier_the_notice_is_written_before_anything_else(azure: FakeAzure, tmp_path: Path) -> None:
+    env = _fake_bins(tmp_path, azure.log)
+    azure.events["Events"] = [{"EventId": "P-1", "EventType": "Preempt", "Resources": ["vm0"], "EventStatus": "Scheduled",
+                               "NotBefore": ""}]
+    notice = tmp_path / "run" / "tiered-ckpt" / "preempt"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "scheduled-events.py"), "--imds", azure.url, "--once", "--drain",
+                        "--mount", "/lustrefs", "--grace", "5", "--notice", str(notice)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(notice.read_text())["EventType"] == "Preempt"      # what memory.notice_file waits for
+    out = r.stdout
+    assert out.index("notice written") < out.index("unmounted") < out.index("acknowledged P-1"), out
 
 
 def test_a_busy_mount_gets_its_processes_stopped_before_the_acknowledgement(azure: FakeAzure, tmp_path: Path) -> None:
