@@ -29,12 +29,14 @@ $(AZURITE): package.json package-lock.json
 
 # Debian packages: fio (storage benchmark), cloud-init (schema check of the rendered custom data),
 # strace (the DCP writer test asserts that a save renames nothing), slurm-wlm + munge (the cluster
-# tests start a real munged, slurmctld and slurmd; the daemons live in /usr/sbin, often not on PATH).
+# tests start a real munged, slurmctld and slurmd; the daemons live in /usr/sbin, often not on PATH),
+# shellcheck (`make lint` checks the node boot in scripts/).
 debs:
 	@missing=""; \
 	command -v fio >/dev/null || missing="$$missing fio"; \
 	command -v cloud-init >/dev/null || missing="$$missing cloud-init"; \
 	command -v strace >/dev/null || missing="$$missing strace"; \
+	command -v shellcheck >/dev/null || missing="$$missing shellcheck"; \
 	{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null || missing="$$missing slurm-wlm"; \
 	{ command -v munged || [ -x /usr/sbin/munged ]; } >/dev/null || missing="$$missing munge"; \
 	if [ -n "$$missing" ]; then \
@@ -45,9 +47,12 @@ debs:
 
 install: $(STAMP) $(AZURITE) debs
 
+# The node boot (scripts/): shellcheck follows the sourced lib/boot-common.sh (-x).
+SHELL_SCRIPTS := $(wildcard scripts/*.sh scripts/lib/*.sh)
 # requires-python is >=3.10: the program and the toolkit must not need a newer Python (vermin, 3.10 floor).
 VERMIN_ARGS = --target=3.10- --no-tips --violations --eval-annotations -q
-lint: $(STAMP)
+lint: $(STAMP) debs
+	shellcheck -x $(SHELL_SCRIPTS)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	PYTHONPATH=src:. $(BIN)/lint-imports

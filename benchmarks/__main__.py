@@ -3,7 +3,7 @@ goal, met / not met, and for a goal not met what bounds it on this machine (core
 
     python -m benchmarks                 # all suites (`make bench`); writes docs/benchmarks.md
     python -m benchmarks --quick         # tiny sizes, one round (a smoke run); writes .bench/benchmarks.md
-    python -m benchmarks scale [--quick] # one suite: scale, io, lifecycle or dcp; options go to the suites
+    python -m benchmarks scale [--quick] # one suite: scale, io, lifecycle, dcp or memory; options go to the suites
     python -m benchmarks scale --json    # the scale suite's goals as one JSON object on stdout (dcp too)
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from benchmarks import dcp_bench, io_bench, lifecycle_bench, scale_bench
+from benchmarks import dcp_bench, io_bench, lifecycle_bench, memory_bench, scale_bench
 from benchmarks.harness import BENCH_ERROR, REPO, machine
 
 # Registered by direct import: a suite that fails to import is an error, not a silent skip.
@@ -27,10 +27,12 @@ SUITES: tuple[tuple[str, str, Callable[[Sequence[str] | None], int]], ...] = (
     ("io", "benchmarks.io_bench", io_bench.main),                       # tc.save/tc.load vs fio on raw buffers, hashing cost, memory
     ("lifecycle", "benchmarks.lifecycle_bench", lifecycle_bench.main),  # archive proof with a fake lfs, restore vs plain parallel download
     ("dcp", "benchmarks.dcp_bench", dcp_bench.main),                    # TieredWriter/Reader vs DCP's FileSystemWriter/Reader and fio
+    ("memory", "benchmarks.memory_bench", memory_bench.main),           # memory tier: blocked time vs copy floor, recovery per tier
 )
 # Where each suite leaves its results (harness.report / io_bench), and where the document goes.
 RESULTS_DIR = REPO / ".bench"
-RESULTS = {"scale": "scale_results.json", "io": "io_results.json", "dcp": "dcp_results.json"}
+RESULTS = {"scale": "scale_results.json", "io": "io_results.json", "dcp": "dcp_results.json",
+           "memory": "memory_results.json"}
 DOC, QUICK_DOC = REPO / "docs" / "benchmarks.md", REPO / ".bench" / "benchmarks.md"
 # The io suite takes its sizes from the environment: --quick's.
 QUICK_IO_ENV = {"BENCH_SIZE": "256MiB", "BENCH_REPEAT": "1", "BENCH_MEM_SIZE": "256MiB"}
@@ -76,7 +78,8 @@ def goal_rows(results: dict[str, dict[str, Any]], facts: dict[str, Any]) -> list
     """One row per goal of every suite that ran: suite, goal, measured (median), goal, met, bound."""
     rows = []
     for suite, res in results.items():
-        goals = res.get("goals") or getattr({"scale": scale_bench, "io": io_bench, "dcp": dcp_bench}[suite], "GOALS", {})
+        goals = res.get("goals") or getattr({"scale": scale_bench, "io": io_bench, "dcp": dcp_bench,
+                                             "memory": memory_bench}[suite], "GOALS", {})
         st = res.get("stats") or {}
         disk = {rw: st[f"fio_{rw}_GBps"]["median"] for rw in ("write", "read") if f"fio_{rw}_GBps" in st}
         if suite == "io" and res.get("runs_GBps"):

@@ -148,8 +148,24 @@ def notify_written(addresses: Iterable[int] = ()) -> None:
 
 
 def addresses(obj: Any) -> list[int]:
-    """Start addresses of the tensors (DTensor: local shards) in a (nested) state."""
-    return [_local(t).data_ptr() for t in _tensors(obj)]
+    """Start addresses of the tensors in a (nested) state: a DTensor's local tensor, a
+    ShardedTensor's local shards (FSDP1), a plain tensor; a tensor without storage of its own
+    (a wrapper subclass, a meta tensor) has none and is skipped."""
+    out: list[int] = []
+    for t in _tensors(obj):
+        for part in _parts(t):
+            ptr = _data_ptr(part)
+            if ptr:
+                out.append(ptr)
+    return out
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    """The tensor's start address, or 0 where it has no storage to point into."""
+    try:
+        return int(t.data_ptr())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return 0
 
 
 def _within(addrs: list[int], a: int, b: int) -> list[int]:
@@ -195,7 +211,9 @@ class TieredStager(AsyncStager):
         by_id: dict[int, torch.Tensor] = {}
         for t in leaves:
             by_id.setdefault(id(t), t)
-        sizes = {i: _aligned(_local(t).numel() * _local(t).element_size()) for i, t in by_id.items()}
+        for t in by_id.values():
+            _require_stageable(t)
+        sizes = {i: sum(_aligned(p.numel() * p.element_size()) for p in _parts(t)) for i, t in by_id.items()}
         # Largest first up to the budget; what does not fit stays live (the save then waits).
         staged_ids: list[int] = []
         room = self.budget
@@ -231,23 +249,25 @@ class TieredStager(AsyncStager):
                 pos = off
                 for i in group:
                     t = by_id[i]
-                    src = _local(t)
-                    n = src.numel() * src.element_size()
-                    if n:
-                        assert chunk is not None
-                        dst = chunk.base[pos:pos + n].view(src.dtype).view(src.shape)
-                        regions.append((chunk.address + pos, chunk.address + pos + n))
-                    else:
-                        dst = torch.empty(src.shape, dtype=src.dtype)
-                    if chunk is not None and sizes[i] > n:
-                        # The padding to the next page: an O_DIRECT write of an item's tail reads it.
-                        ctypes.memset(chunk.address + pos + n, 0, sizes[i] - n)
-                    if n and src.device.type == "cpu" and src.is_contiguous():
-                        host.append((dst.data_ptr(), src.data_ptr(), n))    # below, on several threads
-                    else:
-                        side.copy(dst, src.detach())
-                    memo[i] = _rewrap(t, dst)
-                    pos += sizes[i]
+                    dsts = []
+                    for src in _parts(t):
+                        n = src.numel() * src.element_size()
+                        if n:
+                            assert chunk is not None
+                            dst = chunk.base[pos:pos + n].view(src.dtype).view(src.shape)
+                            regions.append((chunk.address + pos, chunk.address + pos + n))
+                        else:
+                            dst = torch.empty(src.shape, dtype=src.dtype)
+                        if chunk is not None and _aligned(n) > n:
+                            # The padding to the next page: an O_DIRECT write of an item's tail reads it.
+                            ctypes.memset(chunk.address + pos + n, 0, _aligned(n) - n)
+                        if n and src.device.type == "cpu" and src.is_contiguous():
+                            host.append((dst.data_ptr(), src.data_ptr(), n))    # below, on several threads
+                        else:
+                            side.copy(dst, src.detach())
+                        dsts.append(dst)
+                        pos += _aligned(n)
+                    memo[i] = _rewrap(t, dsts)
             pools.memmove_all(host, self.threads)
             side.wait()          # the device-to-host copies are complete before the caller changes its tensors
         except BaseException:
@@ -257,9 +277,10 @@ class TieredStager(AsyncStager):
             raise
         for i in live_ids:
             t = by_id[i]
-            loc = _local(t)
             memo[i] = t
-            regions.append((loc.data_ptr(), loc.data_ptr() + max(1, loc.numel() * loc.element_size())))
+            for loc in _parts(t):
+                ptr = _data_ptr(loc)
+                regions.append((ptr, ptr + max(1, loc.numel() * loc.element_size())))
         staged = copy.deepcopy(state_dict, memo)
         if regions:
             ticket = self._ticket(extents, regions, bool(live_ids), [memo[i] for i in staged_ids])
@@ -408,24 +429,46 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose bytes are staged: a DTensor's local shard, else the tensor."""
+def _is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(t, ShardedTensor)
+
+
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold this rank's bytes: a DTensor's local tensor, a ShardedTensor's
+    local shards (FSDP1's sharded state dicts; none on a rank without a shard), else the tensor."""
     from torch.distributed.tensor import DTensor
 
-    return t._local_tensor if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor):
+        return [t._local_tensor]
+    if _is_sharded(t):
+        return [s.tensor for s in t.local_shards()]  # type: ignore[attr-defined]
+    return [t]
 
 
-def _rewrap(t: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+def _require_stageable(t: torch.Tensor) -> None:
+    if _is_dtensor(t) or _is_sharded(t) or type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return
+    raise UserError(f"TieredStager cannot stage a {type(t).__name__} (a tensor subclass other than DTensor and "
+                    "ShardedTensor); convert it (e.g. to a DTensor), save it with dcp.save (no stager), or use "
+                    "DCP's DefaultStager")
+
+
+def _rewrap(t: torch.Tensor, staged: list[torch.Tensor]) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
         # Same mesh, placements and global shape; the local shard now lives in host memory
         # (what DCP's own stager does; DCP writes DTensors shard by shard).
-        return DTensor(staged, t._spec, requires_grad=False)
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        raise UserError(f"TieredStager cannot stage a {type(t).__name__} (a tensor subclass other than DTensor); "
-                        "convert it (e.g. to a DTensor) or use DCP's DefaultStager")
-    return staged
+        return DTensor(staged[0], t._spec, requires_grad=False)
+    if _is_sharded(t):
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+        shards = [Shard(s, old.metadata) for s, old in zip(staged, t.local_shards(), strict=True)]  # type: ignore[attr-defined]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(  # type: ignore[no-any-return]
+            shards, t.metadata(), process_group=t._process_group)  # type: ignore[attr-defined]
+    return staged[0]
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:

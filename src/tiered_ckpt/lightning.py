@@ -54,6 +54,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -171,19 +172,25 @@ class TieredCheckpointIO(CheckpointIO):
     """Lightning's CheckpointIO through tiered_ckpt.dcp (module doc): ``Trainer(plugins=[TieredCheckpointIO(...)])``.
 
     root/model (or config=NodeConfig, or neither: the node config file) name where checkpoints go;
-    the model's ``naming:`` comes from the config.
+    the model's ``naming:`` comes from the config. A name committed here or in the config's
+    archive (without config=, the node config file's) is never saved again; archive_check as
+    for tiered_ckpt.save.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, model: str | None = None, *,
-                 config: NodeConfig | None = None) -> None:
+                 config: NodeConfig | None = None, archive_check: str = "required") -> None:
         super().__init__()
         if config is None:
             # root and model given: the default naming, as TieredWriter(root, model) has;
             # otherwise the node config file (default /etc/tiered-ckpt/config.yaml) says it all.
-            config = NodeConfig() if root is not None and model is not None else load_config()
+            # Its archive either way: the claim checks every name against it.
+            node = load_config()
+            config = replace(NodeConfig(), archive=node.archive) if root is not None and model is not None else node
         self.root = Path(root if root is not None else config.root)
         self.model = model if model is not None else config.model
         self.naming = config.naming
+        self.archive = config.archive
+        self.archive_check = archive_check
         scheme(self.naming)
         # The whole node config (archive included): a checkpoint only the archive holds is restored on load.
         self._node = config.with_overrides(root=str(self.root), model=self.model)
@@ -272,7 +279,7 @@ class TieredCheckpointIO(CheckpointIO):
             buf = io.BytesIO()
             torch.save({"format": _STATE_FORMAT, "checkpoint": structure}, buf)
             state: dict[str, Any] = {**tensors, _STATE_KEY: buf.getvalue()}
-            writer = TieredWriter(config=self._config(), name=cid.name)
+            writer = TieredWriter(config=self._config(), name=cid.name, archive_check=self.archive_check)
             with warnings.catch_warnings(), _toolkit_errors():
                 # One process saves on purpose (Lightning calls this on global rank 0 only).
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
@@ -291,7 +298,7 @@ class TieredCheckpointIO(CheckpointIO):
         self._resident(ckpt_dir)
         reader = TieredReader(root=ckpt_dir.parent.parent, model=ckpt_dir.parent.name, name=ckpt_dir.name,
                               config=self._config(ckpt_dir))
-        md = reader.read_metadata()
+        md = reader.checked_metadata()
         if _STATE_KEY not in md.state_dict_metadata:
             raise UserError(f"{ckpt_dir} is a DCP checkpoint but not one TieredCheckpointIO saved (no "
                             f"{_STATE_KEY!r} entry); load it with torch.distributed.checkpoint.load")
@@ -438,7 +445,8 @@ class TieredModelParallelStrategy(ModelParallelStrategy):
             state: dict[str, Any] = {"state_dict": checkpoint["state_dict"], _REST_KEY: buf.getvalue()}
             state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.get("optimizer_states", []))})
             with _toolkit_errors():
-                dcp.save(state, storage_writer=TieredWriter(config=io._config(), name=cid.name))
+                dcp.save(state, storage_writer=TieredWriter(config=io._config(), name=cid.name,
+                                                                archive_check=io.archive_check))
             io._committed.add(cid.name)
         if self.global_rank == 0:
             pins.pin(io.root, io.model, cid.name, by="lightning", pointer=pointer)

@@ -32,7 +32,7 @@ import logging
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ class TrainingState:
     epoch: int
     step: int
     extra: dict[str, Any] | None = None    # load: this rank's saved extras (None when none were saved)
+    # Where this rank's state went / came from: memory (this node's RAM), peer (the replica another
+    # node held) or lustre (the checkpoint root, restored from the archive first when only it held it).
+    tier: str = "lustre"
 
 
 def _cfg(config: config_mod.NodeConfig | None, root: str | Path | None,
@@ -112,23 +115,40 @@ def save_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                   scheduler: Any = None, extra: Mapping[str, Any] | None = None,
                   epoch: int | None = None, step: int | None = None, name: str | None = None,
                   root: str | Path | None = None, model_name: str | None = None,
-                  config: config_mod.NodeConfig | None = None) -> TrainingState:
+                  config: config_mod.NodeConfig | None = None, archive_check: str = "required", tier: str = "lustre",
+                  persist: bool | None = None) -> TrainingState:
     """Save model, optimizer, scheduler and `extra` as one committed DCP checkpoint (every rank calls it).
 
     Where: root= and model_name= (the checkpoint directory's model), else the node config's.
     Which: epoch= and step= (or step= alone for a step-only naming scheme), or name=.
-    Returns once the checkpoint is committed on every rank.
+    Returns once the checkpoint is committed on every rank. A name committed here or in the
+    config's archive is refused; archive_check as for tiered_ckpt.save.
+
+    tier="memory": into this node's memory tier (memory.dir; tiered_ckpt.memory_tier) instead,
+    returning once every rank's copy is committed there; the peer replica and, every
+    memory.persist_every-th save (or persist=True), the copy on the root follow in the background.
     """
+    if tier not in ("lustre", "memory"):
+        raise UserError(f"tier={tier!r}: use tier='lustre' (the checkpoint root) or tier='memory' (node RAM, memory.dir)")
+    if persist is not None and tier != "memory":
+        raise UserError("persist= applies to tier='memory' saves only (a tier='lustre' save is on the root already)")
     if extra is not None and not isinstance(extra, Mapping):
         raise UserError(f"extra= must be a mapping (e.g. {{'rng': torch.get_rng_state()}}); got {type(extra).__name__}")
     cfg = _cfg(config, root, model_name)
-    writer = TieredWriter(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg)
+    writer = TieredWriter(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg,
+                          archive_check=archive_check)
     state = _states(model, optimizer)
     rank, _ = _rank_world()
     buf = io.BytesIO()
     torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": dict(extra) if extra is not None else None}, buf)
     state[_PER_RANK.format(rank=rank)] = buf.getvalue()
+    if tier == "memory":
+        from tiered_ckpt import memory_tier
+
+        with _single_process_quiet():
+            path = memory_tier.save(state, cfg, writer.cid, persist=persist)
+        return TrainingState(writer.cid.name, str(path), writer.cid.epoch, writer.cid.step, tier="memory")
     with _single_process_quiet():
         dcp.save(state, storage_writer=writer, no_dist=not _initialised())
     return TrainingState(writer.cid.name, str(writer.path), writer.cid.epoch, writer.cid.step)
@@ -193,6 +213,19 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     cfg = _cfg(config, root, model_name)
     if epoch is not None and step is None and name is None:
         raise UserError("load_training: pass step= with epoch= (or name=, or neither for the newest checkpoint)")
+    if name is None and step is None and cfg.memory.dir:
+        # The memory tier first (tiered_ckpt.memory_tier): own RAM, else the peer's replica, unless
+        # the root holds a newer checkpoint or the world size changed.
+        from tiered_ckpt import memory_tier
+
+        def from_memory(mroot: Path, mname: str) -> TrainingState:
+            r = TieredReader(mroot, cfg.model, name=mname, config=cfg.with_overrides(io={"direct": False}))
+            return _load_into(model, optimizer, scheduler, r, cfg, no_dist=True, new_rank_extras=new_rank_extras)
+
+        got = memory_tier.restore(cfg, from_memory)
+        if got is not None:
+            where, st = got
+            return replace(st, tier=where.tier)
     if name is None and step is not None:
         if epoch is None and scheme(cfg.naming).has_epoch:
             raise UserError(f"load_training: pass epoch= with step= (naming {cfg.naming!r} has an epoch), or name=")
@@ -202,9 +235,17 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         return None
     reader = TieredReader(cfg.root, cfg.model, name=name, config=cfg,
                           verify_hash=verify_hash)
+    return _load_into(model, optimizer, scheduler, reader, cfg, no_dist=not _initialised(),
+                      new_rank_extras=new_rank_extras)
+
+
+def _load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,
+               reader: TieredReader, cfg: config_mod.NodeConfig, *, no_dist: bool,
+               new_rank_extras: str) -> TrainingState:
+    """dcp.load of one checkpoint into the model/optimizer/scheduler in place; this rank's extras."""
     state = _states(model, optimizer)
     # Which entries the checkpoint holds (DCP's metadata; read without hashing: dcp.load verifies).
-    keys = set(TieredReader(cfg.root, cfg.model, name=reader.cid.name, config=cfg).read_metadata().state_dict_metadata)
+    keys = set(TieredReader(reader.root, reader.model, name=reader.cid.name, config=cfg).checked_metadata().state_dict_metadata)
     rank, _ = _rank_world()
     own = next((k for k in (_PER_RANK.format(rank=rank), _PER_RANK.format(rank=0)) if k in keys), None)
     borrowed = own is not None and own != _PER_RANK.format(rank=rank)
@@ -218,7 +259,7 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         raise UserError(f"{reader.path} holds no {' or '.join(missing)} state (it was not written by save_training "
                         f"with {'an optimizer' if OPTIM in missing else 'a model'}); load it with dcp.load instead")
     with _single_process_quiet():
-        dcp.load(state, storage_reader=reader, no_dist=not _initialised())
+        dcp.load(state, storage_reader=reader, no_dist=no_dist)
     if optimizer is None:
         set_model_state_dict(model, state[MODEL])
     else:

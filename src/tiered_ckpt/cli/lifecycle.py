@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+from dataclasses import asdict
 
 from tiered_ckpt.cli import timeline as timeline_commands
 from tiered_ckpt.cli.models import require_model
@@ -20,6 +21,7 @@ from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter, Iteration
 from tiered_ckpt.lifecycle.restore import DEFAULT_LOCK_WAIT, HASHES, NO_HASHES, restore
 from tiered_ckpt.lifecycle.status import Status, gather
+from tiered_ckpt.tiers import memory
 from tiered_ckpt.tiers.backends import TierBackend, make_backend
 from tiered_ckpt.tiers.blob import BlobStore
 
@@ -185,8 +187,9 @@ def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
     if timeline_commands.wants_watch(args):
         return timeline_commands.watch(args, cfg)
     st = gather(make_backend(cfg), export_status_path=args.export_status)
+    mem = memory.summary(cfg.memory, cfg.model, cfg.naming)
     if args.json:
-        print_json({"ok": st.health == "healthy", **st.to_json()})
+        print_json({"ok": st.health == "healthy", **st.to_json(), "memory": asdict(mem) if mem else None})
         return st.exit_code()
     print_table(f"checkpoints of {st.model} ({st.backend}, {st.root})", ("checkpoint", "tier", "size", "detail"),
                 [(c.name, c.tier, human_bytes(c.bytes), c.detail) for c in st.checkpoints])
@@ -209,6 +212,15 @@ def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
         stdout.print(f"capacity: {human_bytes(c.used_bytes)} used of {human_bytes(c.total_bytes)}; retention keeps "
                      f"{human_bytes(c.retention_keeps_bytes)} + next checkpoint {human_bytes(c.next_checkpoint_bytes)} "
                      f"= {human_bytes(c.needed_bytes)} ({'fits' if c.fits else 'DOES NOT FIT'})", highlight=False, markup=False, soft_wrap=True)
+    if mem is not None:
+        n = mem.counters
+        budget = f" of memory.budget_bytes {human_bytes(mem.budget_bytes)}" if mem.budget_bytes else ""
+        lag = "-" if mem.replica_lag_seconds is None else f"{mem.replica_lag_seconds:.2f}s"
+        stdout.print(f"memory tier (this node, {mem.dir}): {mem.own} own copies, {mem.peer} replicas held for a peer, "
+                     f"{human_bytes(mem.used_bytes)} used{budget}; newest {mem.newest or '-'}; replicas "
+                     f"{n['replicas']:.0f} ({n['replica_failures']:.0f} failed, lag {lag}), persisted "
+                     f"{n['persists']:.0f} ({n['persist_failures']:.0f} failed), flushes {n['flushes']:.0f}; "
+                     "RAM is not durable: the root and the archive are", highlight=False, markup=False, soft_wrap=True)
     for chk in st.checks:
         stdout.print(f"check {chk.part}: {chk.state}{': ' + chk.reason if chk.reason else ''}", highlight=False,
                      markup=False, soft_wrap=True)
