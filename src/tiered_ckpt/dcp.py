@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_ckpt import dcp_stage
+from tiered_ckpt import dcp_pickle, dcp_stage
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
@@ -112,6 +112,9 @@ class _Stored:
     length: int
     dtype: str | None = None                 # tensors: raw bytes of this dtype and shape
     shape: tuple[int, ...] | None = None
+    # BYTE_IO items: xxh3-128 of the item's bytes, checked before DCP's planner unpickles them
+    # (dcp_pickle); None in checkpoints saved before it was recorded (then the whole file is hashed).
+    hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -407,13 +410,16 @@ class TieredWriter(StorageWriter):
         # Its own id: the plan's storage_data may be a cached plan's (prepare_global_plan says why).
         sid = new_save_id()
         sources: list[Source] = []
-        metas: list[tuple[Any, str | None, tuple[int, ...] | None]] = []
+        metas: list[tuple[Any, str | None, tuple[int, ...] | None, str | None]] = []
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 assert isinstance(data, io.BytesIO)
-                sources.append(to_source(item.index.fqn or "-", data.getbuffer()))
-                metas.append((item.index, None, None))
+                buf = data.getbuffer()
+                h = new_hasher()
+                h.update(buf)
+                sources.append(to_source(item.index.fqn or "-", buf))
+                metas.append((item.index, None, None, h.hexdigest()))
             else:
                 assert isinstance(data, torch.Tensor)
                 read.append(data.data_ptr())
@@ -421,7 +427,7 @@ class TieredWriter(StorageWriter):
                 if not t.is_contiguous():
                     t = t.contiguous()
                 sources.append(to_source(item.index.fqn or "-", t))
-                metas.append((item.index, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+                metas.append((item.index, str(t.dtype).removeprefix("torch."), tuple(t.shape), None))
         files, where = _layout(sources, rank, sid, self.opts)
         dfd = self._dfd if self._dfd is not None else fsafe.open_dir(self.path, anchor=self.root)
         try:
@@ -438,8 +444,8 @@ class TieredWriter(StorageWriter):
             if dfd != self._dfd:
                 os.close(dfd)
         results: list[WriteResult] = []
-        for (index, dtype, shape), src, (fname, off) in zip(metas, sources, where, strict=True):
-            info = _Stored(fname, off, src.nbytes, dtype, shape)
+        for (index, dtype, shape, digest), src, (fname, off) in zip(metas, sources, where, strict=True):
+            info = _Stored(fname, off, src.nbytes, dtype, shape, digest)
             results.append(WriteResult(index=index, size_in_bytes=src.nbytes, storage_data=info))
         results.append(WriteResult(index=MetadataIndex(_FILES_FQN), size_in_bytes=0, storage_data=entries))
         return results
@@ -474,7 +480,10 @@ class TieredReader(StorageReader):
     """A DCP StorageReader of a committed checkpoint: refuses one without a valid marker.
 
     The marker and the sizes of every file are checked when it is made (on every rank, before
-    `dcp.load`); with `verify_hash=True` every file's xxh3-128 too (shared among the ranks).
+    `dcp.load`). Whatever is unpickled is hashed first, always, by the rank that unpickles it:
+    DCP's metadata against the marker (then unpickled with an allow-list, dcp_pickle) and each
+    non-tensor item against the hash the metadata records for it. With `verify_hash=True` every
+    data file's xxh3-128 too (shared among the ranks: a mismatch on one fails the load on all).
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, model: str | None = None, *,
@@ -487,6 +496,8 @@ class TieredReader(StorageReader):
         self.verify_hash = verify_hash
         self.io = config.io if config is not None else IoConfig()    # reader threads, block size, O_DIRECT
         self.storage_data: dict[MetadataIndex, _Stored] = {}
+        self._metadata: Metadata | None = None
+        self._hashed: set[str] = set()          # files hashed whole by this reader (old BYTE_IO items)
         self.manifest = self._check()
 
     @property
@@ -515,19 +526,40 @@ class TieredReader(StorageReader):
             p = Path(checkpoint_id)
             self.root, self.model, self.cid = p.parent.parent, p.parent.name, require_name(p.name, self.naming)
             self.manifest = self._check()
+            self._metadata = None
+            self._hashed = set()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         m = self.manifest
         if self.verify_hash:
             self._verify_hashes(m)
+        return self.metadata()
+
+    def metadata(self) -> Metadata:
+        """DCP's metadata of this checkpoint, read once, its bytes checked against the marker's
+        hash before they are unpickled (with an allow-list: dcp_pickle)."""
+        if self._metadata is not None:
+            return self._metadata
+        m = self.manifest
         assert m.save_id is not None
         name = metadata_name(m.save_id)
-        data = fsafe.read_file(self.path / name, anchor=self.root)
-        md = pickle.loads(data)   # noqa: S301 - DCP's own format is a pickle; its bytes match the marker's size
+        entry = m.by_path[name]
+        path = self.path / name
+        try:
+            data = fsafe.read_file(path, anchor=self.root, limit=entry.size)
+        except OSError as e:
+            raise IntegrityError(f"{path}: cannot read DCP metadata ({e.strerror or e}); "
+                                 "restore the checkpoint from the archive (tiered-ckpt restore)") from None
+        if len(data) != entry.size:
+            raise IntegrityError(f"{path}: DCP metadata is {len(data)} bytes, the marker lists {entry.size}; "
+                                 "restore the checkpoint from the archive (tiered-ckpt restore)")
+        dcp_pickle.check_hash(data, entry.hash, path, "DCP metadata")
+        md = dcp_pickle.restricted_loads(data, path)
         if not isinstance(md, Metadata):
-            raise IntegrityError(f"{self.path / name} is not DCP metadata; restore the checkpoint from the archive")
+            raise IntegrityError(f"{path} is not DCP metadata; restore the checkpoint from the archive")
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
+        self._metadata = md
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -557,13 +589,31 @@ class TieredReader(StorageReader):
         import torch.distributed as dist
 
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        meta = metadata_name(m.save_id) if m.save_id is not None else None
         for i, f in enumerate(m.files):
-            if i % world != rank or f.hash is None:
+            if i % world != rank or f.hash is None or f.path == meta:   # metadata: every rank, metadata()
                 continue
             got = hash_path(str(self.path / f.path), anchor=self.root)
             if got != f.hash:
                 raise IntegrityError(f"{self.path / f.path}: content hash {got} does not match the marker's {f.hash}; "
                                      "restore the checkpoint from the archive (tiered-ckpt restore)")
+
+    def _check_item(self, info: _Stored, view: memoryview, fqn: str) -> None:
+        """A non-tensor item's bytes against the hash the (verified) metadata records; a checkpoint
+        saved before items were hashed: its whole file against the marker, once per reader."""
+        digest = getattr(info, "hash", None)
+        if digest is not None:
+            dcp_pickle.check_hash(view, digest, self.path / info.relative_path, f"item {fqn!r}")
+            return
+        if info.relative_path in self._hashed:
+            return
+        entry = self.manifest.by_path[info.relative_path]
+        got = hash_path(str(self.path / info.relative_path), anchor=self.root)
+        if entry.hash is None or got != entry.hash:
+            raise IntegrityError(f"{self.path / info.relative_path}: content hash {got} does not match the marker's "
+                                 f"{entry.hash} (it holds item {fqn!r}, which was not unpickled); restore the "
+                                 "checkpoint from the archive (tiered-ckpt restore)")
+        self._hashed.add(info.relative_path)
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Every requested byte range read by several threads straight into its destination
@@ -594,6 +644,8 @@ class TieredReader(StorageReader):
             raise IntegrityError("; ".join(problems) + "; restore the checkpoint from the archive (tiered-ckpt restore)")
         for req, info, dest, view in items:
             if req.type == LoadItemType.BYTE_IO:
+                # DCP's planner torch.load()s these bytes (weights_only=False): hashed first.
+                self._check_item(info, view, req.storage_index.fqn)
                 planner.load_bytes(req, io.BytesIO(view.tobytes()))
                 continue
             if dest is not None:

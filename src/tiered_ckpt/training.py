@@ -170,8 +170,9 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     reader = TieredReader(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg,
                           verify_hash=verify_hash)
     state = _states(model, optimizer)
-    # Which entries the checkpoint holds (DCP's metadata; read without hashing: dcp.load verifies).
-    keys = set(TieredReader(cfg.root, cfg.model, name=reader.cid.name, config=cfg).read_metadata().state_dict_metadata)
+    # Which entries the checkpoint holds: DCP's metadata through the reader dcp.load uses (its bytes
+    # checked against the marker before they are unpickled; read once).
+    keys = set(reader.metadata().state_dict_metadata)
     rank, _ = _rank_world()
     own = next((k for k in (_PER_RANK.format(rank=rank), _PER_RANK.format(rank=0)) if k in keys), None)
     if own is not None:

@@ -1,0 +1,158 @@
+"""DCP metadata is a pickle in a group-writable tree: nothing planted there is ever unpickled.
+
+A member of the shared group can replace ``dcp.<sid>.metadata`` with a file of the same size
+whose pickle runs code. Every rank hashes what it unpickles against the marker before
+unpickling (with or without verify_hash), a planted marker whose hash matches the planted
+pickle meets the allow-list unpickler, and the bytes of non-tensor items (which DCP's planner
+torch.load()s) are hashed against the metadata's record. Real gloo ranks for the multi-rank case.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.toolkit import gloo_ranks
+from tiered_ckpt.errors import IntegrityError
+from tiered_ckpt.io import commit as mf
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from tiered_ckpt.dcp import TieredReader, TieredWriter, metadata_name  # noqa: E402
+
+
+class _Evil:
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def _state() -> dict[str, Any]:
+    return {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "tag": "a" * 200, "step": 7}
+
+
+def _save(root: Path) -> Path:
+    dcp.save(_state(), storage_writer=TieredWriter(root, "m", epoch=0, step=1), no_dist=True)
+    d = root / "m" / "global_epoch0_step1"
+    m = mf.read_marker(d)
+    assert m is not None and m.save_id is not None
+    return d / metadata_name(m.save_id)
+
+
+def _plant(meta: Path, sentinel: Path) -> bytes:
+    """A same-size metadata file whose pickle runs `touch sentinel` (pickle ignores trailing bytes)."""
+    evil = pickle.dumps(_Evil(sentinel))
+    size = meta.stat().st_size
+    assert len(evil) < size
+    data = evil + b"\0" * (size - len(evil))
+    meta.write_bytes(data)
+    return data
+
+
+def _blank() -> dict[str, Any]:
+    return {"w": torch.zeros(8, 8), "tag": "", "step": 0}
+
+
+LOAD = r"""
+import torch.distributed.checkpoint as dcp
+from tiered_ckpt.dcp import TieredReader
+out = {}
+for verify in (False, True):
+    st = {"w": torch.zeros(8, 8), "tag": "", "step": 0}
+    try:
+        dcp.load(st, storage_reader=TieredReader(root, "m", epoch=0, step=1, verify_hash=verify))
+        out[str(verify)] = "loaded"
+    except BaseException as e:      # DCP's CheckpointException is a BaseException
+        out[str(verify)] = type(e).__name__ + ": " + str(e)
+report(sentinel=os.path.exists(A["sentinel"]), **out)
+leave()
+"""
+
+
+def test_planted_same_size_metadata_pickle_is_refused_on_both_ranks(root: Path, tmp_path: Path) -> None:
+    sentinel = tmp_path / "pwned"
+    _plant(_save(root), sentinel)
+    res = gloo_ranks.run(LOAD, 2, tmp_path / "store", root=str(root), sentinel=str(sentinel), timeout=120)
+    for r in res:
+        for verify in ("False", "True"):
+            assert "does not match its content hash" in r.out[verify], (r.rank, verify, r.out[verify])
+        assert r.out["sentinel"] is False
+    assert not sentinel.exists()
+
+
+def test_planted_pickle_with_a_matching_marker_hash_still_runs_nothing(root: Path, tmp_path: Path) -> None:
+    """Both files planted (the marker's hash made to match): the allow-list unpickler refuses."""
+    sentinel = tmp_path / "pwned"
+    meta = _save(root)
+    data = _plant(meta, sentinel)
+    d = meta.parent
+    m = mf.read_marker(d)
+    assert m is not None
+    from tiered_ckpt.io.hashing import new_hasher
+    h = new_hasher()
+    h.update(data)
+    files = [replace(f, hash=h.hexdigest()) if f.path == meta.name else f for f in m.files]
+    (d / mf.MARKER).unlink()
+    mf.write_marker(d, replace(m, files=files))
+    reader = TieredReader(root, "m", epoch=0, step=1)
+    with pytest.raises(IntegrityError, match="refused, not run"):
+        reader.read_metadata()
+    assert not sentinel.exists()
+
+
+def test_load_training_with_verify_hash_never_unpickles_planted_metadata(root: Path, tmp_path: Path) -> None:
+    from tiered_ckpt.training import load_training, save_training
+    model = torch.nn.Linear(3, 2)
+    save_training(model, epoch=0, step=1, root=root, model_name="m")
+    m = mf.read_marker(root / "m" / "global_epoch0_step1")
+    assert m is not None and m.save_id is not None
+    sentinel = tmp_path / "pwned"
+    _plant(root / "m" / "global_epoch0_step1" / metadata_name(m.save_id), sentinel)
+    with pytest.raises(IntegrityError, match="content hash"):
+        load_training(torch.nn.Linear(3, 2), root=root, model_name="m", verify_hash=True)
+    assert not sentinel.exists()
+
+
+def test_bit_flips_in_the_metadata_are_rejected_without_verify_hash(root: Path) -> None:
+    """The metadata holds DCP's index (which item is where): verified always, it is small."""
+    meta = _save(root)
+    good = meta.read_bytes()
+    # Flip bits inside names, offsets and the pickle's opcodes: each same-size change is refused.
+    positions = [good.index(b"tag") + 1, good.index(b".bin") - 3, len(good) // 3, len(good) // 2, len(good) - 2]
+    for pos in positions:
+        bad = bytearray(good)
+        bad[pos] ^= 0x01
+        meta.write_bytes(bytes(bad))
+        with pytest.raises(IntegrityError, match="does not match its content hash"):
+            TieredReader(root, "m", epoch=0, step=1).read_metadata()
+    meta.write_bytes(good)
+    st = _blank()
+    dcp.load(st, storage_reader=TieredReader(root, "m", epoch=0, step=1), no_dist=True)
+    assert st["tag"] == "a" * 200 and torch.equal(st["w"], _state()["w"])
+
+
+def test_flipped_bytes_of_a_non_tensor_item_are_refused_before_torch_load(root: Path) -> None:
+    """DCP's planner torch.load()s a non-tensor item's bytes: they are hashed first, without verify_hash."""
+    meta = _save(root)
+    md = TieredReader(root, "m", epoch=0, step=1).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "tag")
+    shard = meta.parent / info.relative_path
+    data = bytearray(shard.read_bytes())
+    at = data.index(b"a" * 200, info.offset)        # the string's bytes inside torch.save's archive
+    assert info.offset <= at < info.offset + info.length
+    data[at] ^= 0x03                                 # "a" -> "b": a silent wrong value before
+    shard.write_bytes(bytes(data))
+    st = _blank()
+    with pytest.raises(BaseException, match="does not match its content hash"):
+        dcp.load(st, storage_reader=TieredReader(root, "m", epoch=0, step=1), no_dist=True)
+    assert st["tag"] == ""
