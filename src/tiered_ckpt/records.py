@@ -64,14 +64,20 @@ def _read_regular(p: Path, limit: int) -> bytes | None:
 
 def read(root: str | os.PathLike[str], model: str, kind: str) -> dict[str, Any] | None:
     """The last record of `kind`, or None (none yet, or unreadable: metrics then leave it out)."""
+    got, _ = read_checked(root, model, kind)
+    return got
+
+
+def read_checked(root: str | os.PathLike[str], model: str, kind: str) -> tuple[dict[str, Any] | None, bool]:
+    """(the last record of `kind` or None, whether a file is there that is not a record)."""
     data = _read_regular(records_dir(root, model) / f"{kind}.json", 1 << 20)
     if data is None:
-        return None
+        return None, False
     try:
         got = json.loads(data)
     except ValueError:
-        return None
-    return got if isinstance(got, dict) else None
+        return None, True
+    return (got, False) if isinstance(got, dict) else (None, True)
 
 
 def record(root: str | os.PathLike[str], model: str, kind: str, fields: dict[str, Any],
@@ -93,7 +99,7 @@ def record(root: str | os.PathLike[str], model: str, kind: str, fields: dict[str
                 sums[k] = float(sums.get(k, 0)) + float(v)
             now = time.time()
             body = json.dumps({**fields, "time_unix": now, "totals": sums}, sort_keys=True).encode()
-            fsafe.replace_own(d / f"{kind}.json", body, 0o664)
+            fsafe.replace_own(d / f"{kind}.json", body, 0o664, planted_ok=True)
         finally:
             os.close(lock)
         _append_history(d, {**fields, "kind": kind, "time_unix": now})

@@ -311,11 +311,21 @@ def open_own(path: str | os.PathLike[str], flags: int, mode: int, *, dir_fd: int
     raise UnsafePath(errno.EAGAIN, "kept being replaced by something else than a regular file", str(path))
 
 
-def replace_own(path: str | os.PathLike[str], data: bytes, mode: int = FILE_MODE) -> None:
+def replace_own(path: str | os.PathLike[str], data: bytes, mode: int = FILE_MODE, *, planted_ok: bool = False) -> None:
     """Replace a small file of ours atomically (a temporary name next to it, fsynced, renamed):
     a reader sees the old or the new content, never half. Outside the checkpoint tree only
-    (AMLFS export does not propagate renames, DESIGN.md)."""
+    (AMLFS export does not propagate renames, DESIGN.md). Something other than a regular file at
+    `path` (a device such as /dev/full given as the path, a FIFO, a symlink) is refused
+    (UnsafePath), unless `planted_ok` (a directory only the toolkit writes: replaced)."""
     p = Path(path)
+    if not planted_ok:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                raise _refuse(p, kind(st.st_mode))
     tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = open_own(tmp, os.O_WRONLY | os.O_TRUNC, mode)
     try:
