@@ -124,9 +124,10 @@ def checkpoint_lock(root: str | os.PathLike[str], model: str, name: str, purpose
 
 
 @contextmanager
-def exclusive(path: str | os.PathLike[str], purpose: str) -> Iterator[None]:
-    """Hold an exclusive lock on `path` or raise ConflictError naming the holder."""
+def exclusive(path: str | os.PathLike[str], purpose: str, *, anchor: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `path` or raise ConflictError naming the holder; `anchor`: the
+    trusted root below which no directory of `path` is followed through a symlink (fsafe)."""
     p = Path(path)
-    with _held(p, purpose, 0.0, None,
+    with _held(p, purpose, 0.0, Path(anchor) if anchor is not None else None,
                "only one node may change these checkpoints at a time — wait for it to finish and re-run"):
         yield
