@@ -156,3 +156,32 @@ def test_flipped_bytes_of_a_non_tensor_item_are_refused_before_torch_load(root: 
     with pytest.raises(BaseException, match="does not match its content hash"):
         dcp.load(st, storage_reader=TieredReader(root, "m", epoch=0, step=1), no_dist=True)
     assert st["tag"] == ""
+
+
+def test_a_checkpoint_saved_before_item_digests_hashes_the_items_file_whole(root: Path) -> None:
+    """Metadata without per-item digests (older releases): the file holding a non-tensor item is
+    checked against the marker before the item is unpickled."""
+    from tiered_ckpt.io.hashing import new_hasher
+    meta = _save(root)
+    d = meta.parent
+    md = TieredReader(root, "m", epoch=0, step=1).read_metadata()
+    md.storage_data = {k: replace(v, hash=None) for k, v in md.storage_data.items()}
+    data = pickle.dumps(md)
+    h = new_hasher()
+    h.update(data)
+    m = mf.read_marker(d)
+    assert m is not None
+    files = [replace(f, size=len(data), hash=h.hexdigest()) if f.path == meta.name else f for f in m.files]
+    meta.write_bytes(data)
+    (d / mf.MARKER).unlink()
+    mf.write_marker(d, replace(m, files=files))
+    st = _blank()
+    dcp.load(st, storage_reader=TieredReader(root, "m", epoch=0, step=1), no_dist=True)
+    assert st["tag"] == "a" * 200                                   # intact: loads
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "tag")
+    shard = d / info.relative_path
+    raw = bytearray(shard.read_bytes())
+    raw[raw.index(b"a" * 200, info.offset)] ^= 0x03
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(BaseException, match="does not match the marker"):
+        dcp.load(_blank(), storage_reader=TieredReader(root, "m", epoch=0, step=1), no_dist=True)
