@@ -9,15 +9,16 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 STACK ?= prod
 PYTEST_ARGS ?=
 
-.PHONY: all install debs demo timeline-png test test-requeue lint unit bench plan teardown clean
+.PHONY: all install debs demo timeline-png test test-lowest test-requeue lint unit bench plan teardown clean
 
 all: test
 
-# Python environment from pyproject.toml, the one place versions are pinned.
-$(STAMP): pyproject.toml
+# Python environment: pyproject.toml's ranges at the exact versions of the lock, constraints.txt (the one
+# place versions are pinned).
+$(STAMP): pyproject.toml constraints.txt
 	@$(PY) -m venv $(VENV) || { echo "error: could not create $(VENV) with $(PY) -m venv; install python3-venv" >&2; exit 1; }
 	@$(BIN)/pip install -q --upgrade pip
-	@$(BIN)/pip install -q -e '.[infra,demo,dev]' || { echo "error: pip could not install the packages pinned in pyproject.toml; check access to PyPI (pip config list)" >&2; exit 1; }
+	@$(BIN)/pip install -q -c constraints.txt -e '.[infra,demo,dev]' || { echo "error: pip could not install the packages pinned in constraints.txt; check access to PyPI (pip config list)" >&2; exit 1; }
 	@touch $@
 
 # Azurite from the npm registry, inside the project (node_modules/), never globally.
@@ -44,15 +45,30 @@ debs:
 
 install: $(STAMP) $(AZURITE) debs
 
+# requires-python is >=3.10: the program and the toolkit must not need a newer Python (vermin, 3.10 floor).
+VERMIN_ARGS = --target=3.10- --no-tips --violations --eval-annotations -q
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	PYTHONPATH=src:. $(BIN)/lint-imports
+	$(BIN)/vermin $(VERMIN_ARGS) src components __main__.py
 
 unit: install
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test: install lint unit
+test: install lint unit test-lowest
+
+# The runtime dependencies at the lower bounds of their ranges (constraints-lowest.txt: numpy 1.26,
+# pydantic 2.9, ...), installed over the locked environment (--target, first on PYTHONPATH), with the
+# toolkit's tests that exercise them: what a training image with older packages gets.
+LOWEST := .lowest-deps
+LOWEST_TESTS := tests/toolkit/test_dependency_ranges.py tests/toolkit/test_save_load.py tests/toolkit/test_config_errors.py \
+	tests/toolkit/test_config_rules.py tests/toolkit/test_dcp.py tests/lifecycle/test_logs.py \
+	tests/lifecycle/test_lifecycle_local.py
+test-lowest: install
+	@rm -rf $(LOWEST) && $(BIN)/pip install -q --target $(LOWEST) --no-deps -r constraints-lowest.txt \
+	  || { echo "error: pip could not install constraints-lowest.txt; check access to PyPI (pip config list)" >&2; exit 1; }
+	TIERED_CKPT_LOWEST=1 PYTHONPATH=$(LOWEST):src:. $(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(LOWEST_TESTS)
 
 # The Slurm requeue test (USR1 at the time limit, `scontrol requeue`): timing-bound on a loaded
 # 2-core machine, so outside `make test`.
@@ -77,4 +93,4 @@ teardown: $(STAMP)
 	$(BIN)/python -m tiered_ops.teardown_cli --stack $(STACK) $(ARGS)
 
 clean:
-	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo .demo-timeline .bench
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo .demo-timeline .bench .lowest-deps

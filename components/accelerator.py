@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pulumi
 from pulumi_azure_native import storagecache
@@ -55,7 +56,7 @@ class Accelerator(pulumi.ComponentResource):
         auth = args.arm_auth or program_auth()
         checked = ArmCredentialCheck(f"{name}-arm-credential", auth=auth, subscription_id=args.subscription_id,
                                      resource_group=args.resource_group_name, location=s.location, sku=s.sku.name,
-                                     zone=s.zone, opts=pulumi.ResourceOptions(parent=self))
+                                     zone=s.zone, vms=preflight_vms(s), opts=pulumi.ResourceOptions(parent=self))
 
         fs = storagecache.AmlFilesystem(
             f"{name}-fs",
@@ -120,3 +121,13 @@ class Accelerator(pulumi.ComponentResource):
             "mount_command": self.mount_command, "provisioned_gbps": self.provisioned_gbps,
             "autoexport_job_name": self.autoexport_job_name,
         })
+
+
+def preflight_vms(s: Settings) -> list[dict[str, Any]]:
+    """The VM sizes the preflight checks in the compute SKU list before the file system exists: the ND
+    nodes' and the login VM's, each with whether the program asks for Trusted Launch (clusterMode none
+    creates no VM: nothing to check)."""
+    if s.cluster_mode != "slurm":
+        return []
+    return [{"key": "vmSize", "size": s.vm_size, "trusted_launch": s.node_security.trusted_launch},
+            {"key": "loginVmSize", "size": s.login_vm_size, "trusted_launch": s.login_security.trusted_launch}]

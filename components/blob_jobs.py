@@ -122,12 +122,50 @@ class ArmCredentialCheckProvider(pulumi.dynamic.ResourceProvider):
     StorageCache SKUs to prove the region offers the AMLFS SKU and zone (components/regions.py): a failure
     stops `pulumi up` before the file system (AmlFilesystem depends on this) with a message naming the fix."""
 
-    # components/regions.py's pure check, copied onto the class so that it travels with the pickled provider.
+    # components/regions.py's pure checks, copied onto the class so that they travel with the pickled provider.
     region_problem = staticmethod(regions.region_problem)
     offering_locations = staticmethod(regions.offering_locations)
+    provider_entries = staticmethod(regions.provider_entries)
+    vm_size_problems = staticmethod(regions.vm_size_problems)
     _get = staticmethod(regions._get)
     _norm = staticmethod(regions._norm)
     _restricted = staticmethod(regions._restricted)
+    _is_amlfs = staticmethod(regions._is_amlfs)
+    _same_name = staticmethod(regions._same_name)
+    _zones = staticmethod(regions._zones)
+    _restricted_zones = staticmethod(regions._restricted_zones)
+    _capability = staticmethod(regions._capability)
+    # REST versions of the two reads the storagecache SDK has no operation for, sent through its own ARM
+    # pipeline (credential, retries, endpoint): Microsoft.Compute Skus stable/2021-07-01, Microsoft.Resources 2021-04-01.
+    COMPUTE_SKUS_API = "2021-07-01"
+    PROVIDERS_API = "2021-04-01"
+
+    @staticmethod
+    def arm_get_all(client: Any, url: str) -> list[dict[str, Any]]:
+        """GET an ARM list (following nextLink) with the client's pipeline; raises on a non-2xx answer."""
+        from azure.core.rest import HttpRequest
+
+        items: list[dict[str, Any]] = []
+        next_url: str | None = url
+        while next_url:
+            resp = client.send_request(HttpRequest("GET", next_url))
+            resp.raise_for_status()
+            body = resp.json()
+            items += list(body.get("value") or [])
+            next_url = body.get("nextLink")
+        return items
+
+    @staticmethod
+    def arm_get(client: Any, url: str) -> dict[str, Any]:
+        from azure.core.rest import HttpRequest
+
+        resp = client.send_request(HttpRequest("GET", url))
+        resp.raise_for_status()
+        return dict(resp.json())
+
+    @staticmethod
+    def _first_line(e: Exception) -> str:
+        return str(getattr(e, "message", "") or e).splitlines()[0][:300]
 
     @staticmethod
     def probe_access(client: Any, resource_group: str, describe: str) -> int:
@@ -143,29 +181,61 @@ class ArmCredentialCheckProvider(pulumi.dynamic.ResourceProvider):
                 f"in resource group {resource_group}; then run `pulumi up` again") from None
 
     @classmethod
-    def check_region(cls, client: Any, location: str, sku: str, zone: str | None) -> None:
+    def check_region(cls, client: Any, location: str, sku: str, zone: str | None, subscription_id: str = "") -> None:
         """Raise (before the file system exists) unless the subscription's SKU list offers `sku` in `location`."""
         try:
             entries = [e.as_dict() if hasattr(e, "as_dict") else dict(e) for e in client.skus.list()]
         except Exception as e:  # noqa: BLE001 - reported with the setting it guards
-            first = str(getattr(e, "message", "") or e).splitlines()[0][:300]
+            first = cls._first_line(e)
             raise RuntimeError(
                 f"tiered:ArmCredentialCheck: could not list the subscription's StorageCache SKUs to check that {location!r} "
                 f"offers {sku!r}: {type(e).__name__}: {first}. Nothing was created after this check. The program's identity "
                 "needs Microsoft.StorageCache/skus/read on the subscription (Reader or Contributor has it)") from None
-        problem = cls.region_problem(entries, sku, location, zone)
+        provider = None
+        if not any(cls._is_amlfs(e) for e in entries):
+            # No AMLFS entry in the SKU list: fall back to where the provider registers amlFilesystems.
+            try:
+                provider = cls.arm_get(client, f"/subscriptions/{subscription_id}/providers/Microsoft.StorageCache"
+                                               f"?api-version={cls.PROVIDERS_API}")
+            except Exception as e:  # noqa: BLE001 - reported with the setting it guards
+                raise RuntimeError(
+                    f"tiered:ArmCredentialCheck: the StorageCache SKU list names no AMLFS SKU and the provider registration "
+                    f"could not be read to check {location!r}: {type(e).__name__}: {cls._first_line(e)}. Nothing was created "
+                    "after this check. `az provider register --namespace Microsoft.StorageCache`, then run `pulumi up` again") from None
+        problem = cls.region_problem(entries, sku, location, zone, provider)
         if problem:
             raise RuntimeError(f"tiered:ArmCredentialCheck: {problem}. Nothing was created after this check")
+
+    @classmethod
+    def check_vm_sizes(cls, client: Any, subscription_id: str, location: str, zone: str | None,
+                       vms: list[dict[str, Any]]) -> None:
+        """Raise (before the file system exists) with every problem of the VM sizes in `location`/`zone`."""
+        if not vms:
+            return
+        url = (f"/subscriptions/{subscription_id}/providers/Microsoft.Compute/skus?api-version={cls.COMPUTE_SKUS_API}"
+               f"&$filter=location eq '{location}'")
+        try:
+            entries = cls.arm_get_all(client, url)
+        except Exception as e:  # noqa: BLE001 - reported with the settings it guards
+            raise RuntimeError(
+                f"tiered:ArmCredentialCheck: could not list the subscription's compute SKUs in {location!r} to check "
+                f"{', '.join(str(v['size']) for v in vms)}: {type(e).__name__}: {cls._first_line(e)}. Nothing was created after "
+                "this check. The program's identity needs Microsoft.Compute/skus/read on the subscription (Reader or Contributor has it)") from None
+        problems = cls.vm_size_problems(entries, location, zone, vms)
+        if problems:
+            raise RuntimeError("tiered:ArmCredentialCheck: " + "\n".join(problems) + "\nNothing was created after this check")
 
     def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
         client = ArmClientFactory.client(props)
         n = self.probe_access(client, props["resource_group"], props["describe"])
         if props.get("location") and props.get("sku"):
-            self.check_region(client, props["location"], props["sku"], props.get("zone"))
+            self.check_region(client, props["location"], props["sku"], props.get("zone"), props["subscription_id"])
+        if props.get("location") and props.get("vms"):
+            self.check_vm_sizes(client, props["subscription_id"], props["location"], props.get("zone"), list(props["vms"]))
         return pulumi.dynamic.CreateResult(id_=f"{props['resource_group']}/arm-credential-ok", outs={**props, "filesystems": n})
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> pulumi.dynamic.DiffResult:
-        changed = [k for k in ("subscription_id", "resource_group", "describe", "location", "sku", "zone")
+        changed = [k for k in ("subscription_id", "resource_group", "describe", "location", "sku", "zone", "vms")
                    if olds.get(k) != news.get(k)]
         return pulumi.dynamic.DiffResult(changes=bool(changed), replaces=changed, delete_before_replace=True)
 
@@ -174,16 +244,19 @@ class ArmCredentialCheckProvider(pulumi.dynamic.ResourceProvider):
 
 
 class ArmCredentialCheck(pulumi.dynamic.Resource, module="tiered", name="ArmCredentialCheck"):
-    """Completes once the program's credential has read the resource group's file systems and the
-    subscription's SKU list offers the AMLFS SKU in the stack's location and zone."""
+    """Completes once the program's credential has read the resource group's file systems, the
+    subscription's SKU list offers the AMLFS SKU in the stack's location and zone, and the compute SKU list
+    offers every VM size there (zone, restrictions, Trusted Launch)."""
 
     def __init__(self, name: str, *, auth: ArmAuth, subscription_id: pulumi.Input[str], resource_group: pulumi.Input[str],
                  location: str | None = None, sku: str | None = None, zone: str | None = None,
-                 opts: pulumi.ResourceOptions | None = None) -> None:
+                 vms: list[dict[str, Any]] | None = None, opts: pulumi.ResourceOptions | None = None) -> None:
+        # vms: [{"key": setting, "size": VM size, "trusted_launch": bool}] checked against Microsoft.Compute/skus.
         super().__init__(
             ArmCredentialCheckProvider(), name,
             {"auth": auth_input(auth), "describe": auth.describe(), "subscription_id": subscription_id,
-             "resource_group": resource_group, "location": location, "sku": sku, "zone": zone, "filesystems": None},
+             "resource_group": resource_group, "location": location, "sku": sku, "zone": zone, "vms": vms or [],
+             "filesystems": None},
             opts)
 
 

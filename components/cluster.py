@@ -31,8 +31,13 @@ from . import cloud_init, slurm_conf
 from .core_storage import STORAGE_BLOB_DATA_READER, account_name, role_definition_id
 from .network import login_private_ip
 from .settings import MAX_NODES, Settings
+from .vm_security import STANDARD, VmSecurity
 
 TOOLS_CONTAINER = "tools"
+# securityType "Standard": not in the SDK's SecurityTypes enum (TrustedLaunch, ConfidentialVM), but the value
+# Microsoft gives to "explicitly bypass default" Trusted Launch (azure-compute-docs
+# articles/virtual-machines/trusted-launch.md, "Trusted Launch as default", "New behavior").
+STANDARD_SECURITY_TYPE = STANDARD
 # Microsoft's Ubuntu-HPC 24.04 image on both VM kinds: its Slurm (Ubuntu 24.04's 23.11) has dynamic nodes
 # (Slurm 22.05+; 22.04 ships 21.08), slurmctld and slurmd come from the same release, and the image ships
 # the AMLFS Lustre client built for its kernel (plus GPU driver, InfiniBand and the NCCL topology files the
@@ -237,7 +242,7 @@ class Cluster(pulumi.ComponentResource):
                 custom_data=self.login_custom_data.apply(cloud_init.encode),
                 linux_configuration=compute.LinuxConfigurationArgs(disable_password_authentication=True, ssh=ssh)),
             network_profile=compute.NetworkProfileArgs(network_interfaces=[compute.NetworkInterfaceReferenceArgs(id=nic.id, primary=True)]),
-            security_profile=security_profile(s.login_trusted_launch_enabled),
+            security_profile=security_profile(s.login_security),
             # Azure cannot change a VM's customData (nor, while it runs, its security type) in place: a changed login configuration is a new VM
             # (slurmctld's state is on Lustre, the queue survives). The NIC is reused, so the old VM goes first.
             opts=pulumi.ResourceOptions(parent=self, depends_on=[*grants, login_grant, blob], replace_on_changes=["osProfile.customData", "securityProfile"],
@@ -275,7 +280,7 @@ class Cluster(pulumi.ComponentResource):
                     custom_data=self.custom_data.apply(cloud_init.encode),
                     linux_configuration=compute.LinuxConfigurationArgs(disable_password_authentication=True, ssh=ssh),
                 ),
-                security_profile=security_profile(s.trusted_launch_enabled),
+                security_profile=security_profile(s.node_security),
                 # A scale-in or delete gives each node notice (Scheduled Events "Terminate"): the watcher
                 # drains it and unmounts Lustre before the VM goes.
                 scheduled_events_profile=compute.ScheduledEventsProfileArgs(
@@ -316,15 +321,14 @@ def node_role_name(s: Settings, subscription_id: str) -> str:
     return f"tiered-ckpt node jobs ({s.base_name}, {s.location}, {hashlib.sha256(subscription_id.lower().encode()).hexdigest()[:8]})"
 
 
-def security_profile(enabled: bool) -> compute.SecurityProfileArgs | None:
-    """Trusted Launch with secure boot and vTPM (compute API: securityType TrustedLaunch + uefiSettings);
-    None = the API's Standard security type. The AMLFS client doc for secure boot VMs says that on Trusted
-    Launch VMs the Lustre module's signing certificate is already trusted, so it loads under secure boot;
-    docs/deploy.md lists the checks a deployment still needs (size/region, image version, GPU driver)."""
-    if not enabled:
-        return None
-    return compute.SecurityProfileArgs(security_type=compute.SecurityTypes.TRUSTED_LAUNCH,
-                                       uefi_settings=compute.UefiSettingsArgs(secure_boot_enabled=True, v_tpm_enabled=True))
+def security_profile(sec: VmSecurity) -> compute.SecurityProfileArgs:
+    """The VM's securityProfile, always explicit (components/vm_security.py decides it): Trusted Launch with
+    vTPM and Secure Boot off where the size supports it (the image's DKMS modules are unsigned), else
+    `Standard`, stated, so that Azure's move to Trusted Launch by default cannot change it."""
+    if sec.trusted_launch:
+        return compute.SecurityProfileArgs(security_type=compute.SecurityTypes.TRUSTED_LAUNCH,
+                                           uefi_settings=compute.UefiSettingsArgs(secure_boot_enabled=sec.secure_boot, v_tpm_enabled=sec.vtpm))
+    return compute.SecurityProfileArgs(security_type=STANDARD_SECURITY_TYPE)
 
 
 def tools_network_rules(s: Settings, subnet_id: pulumi.Input[str]) -> storage.NetworkRuleSetArgs:
@@ -363,7 +367,15 @@ def slurm_inputs(s: Settings, controller_host: str, controller_addr: str) -> slu
         controller_host=controller_host, controller_addr=controller_addr,
         max_nodes=MAX_NODES, node_headroom=0,
         health_check_program=cloud_init.HEALTHCHECK, state_dir=SLURM_STATE_DIR,
-        gpus_per_node=slurm_conf.ND_GPUS_PER_NODE)
+        gpus_per_node=slurm_conf.ND_GPUS_PER_NODE, node_feature=node_feature(s.vm_size))
+
+
+def node_feature(vm_size: str) -> str:
+    """The Slurm feature the ND nodes register with (and the partition's NodeSet selects): the size's
+    generation, `nd` + its `_v<N>` suffix: ND H100/H200 v5 -> ndv5, ND A100 v4 -> ndv4, so a job's
+    `--constraint` never lands on a generation it did not ask for."""
+    m = re.search(r"_v(\d+)$", vm_size, re.IGNORECASE)
+    return f"ndv{m.group(1)}" if m else "nd"
 
 
 def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any], *, role: str,

@@ -22,7 +22,7 @@ def login_private_ip(settings: Settings) -> str:
 
 
 # Lowest priority an NSG rule may have (Azure docs, "Network security groups": priorities 100-4096). The
-# explicit deny-all rules sit there, above Azure's default 65000 AllowVnetInBound/AllowVnetOutBound.
+# compute subnet's catch-all denies sit there, above Azure's default 65000 AllowVnetInBound/AllowVnetOutBound.
 DENY_ALL_PRIORITY = 4096
 ALL_PORTS = ["*"]
 
@@ -30,31 +30,102 @@ ALL_PORTS = ["*"]
 def rule(rname: str, priority: int, direction: network.SecurityRuleDirection, src: str, dst: str, ports: list[str],
          access: network.SecurityRuleAccess = network.SecurityRuleAccess.ALLOW,
          protocol: network.SecurityRuleProtocol = network.SecurityRuleProtocol.TCP) -> network.SecurityRuleArgs:
+    """One security rule. Any port goes in the single-value `destinationPortRange`: the Microsoft.Network spec
+    (specification/network/resource-manager/Microsoft.Network/stable/2024-05-01/networkSecurityGroup.json,
+    SecurityRulePropertiesFormat) allows the asterisk only there ("Asterisk '*' can also be used to match all
+    ports"), not inside the list `destinationPortRanges`; ARM answers SecurityRuleInvalidPortRange."""
+    single = ports == ALL_PORTS
     return network.SecurityRuleArgs(name=rname, priority=priority, direction=direction, access=access, protocol=protocol,
-                                    source_address_prefix=src, source_port_range="*",
-                                    destination_address_prefix=dst, destination_port_ranges=ports)
+                                    source_address_prefix=src, source_port_range="*", destination_address_prefix=dst,
+                                    destination_port_range="*" if single else None,
+                                    destination_port_ranges=None if single else ports)
+
+
+# Region names as the regional service tags spell them (Azure docs, "Azure service tags overview": e.g.
+# Storage.WestUS; the AMLFS NSG table: AzureKeyVault.EastUS, Storage.EastUS, ApiManagement.EastUS). The tag
+# suffix is the region's display name without spaces; the words below rebuild it from the short name.
+_REGION_WORDS = {w: w.capitalize() for w in (
+    "southeast", "northeast", "north", "south", "east", "west", "central", "europe", "asia", "india", "japan",
+    "korea", "australia", "brazil", "canada", "france", "germany", "norway", "switzerland", "sweden", "qatar",
+    "italy", "poland", "israel", "mexico", "spain", "new", "zealand", "africa", "taiwan", "indonesia", "malaysia",
+    "chile", "austria", "belgium", "denmark", "finland", "greece", "ireland", "china")}
+_REGION_WORDS.update({"us": "US", "uk": "UK", "uae": "UAE", "newzealand": "NewZealand", "southafrica": "SouthAfrica"})
+
+
+def service_tag_region(location: str) -> str:
+    """`eastus` -> `EastUS`, `southeastasia` -> `SoutheastAsia`, `westus3` -> `WestUS3`: the suffix of a
+    regional service tag. A name the words do not cover is returned as given (docs/deploy.md gives the
+    `az network list-service-tags` check)."""
+    rest, out = location.lower(), []
+    words = sorted(_REGION_WORDS, key=len, reverse=True)
+    while rest:
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        if digits:
+            out.append(rest[:digits])
+            rest = rest[digits:]
+            continue
+        w = next((w for w in words if rest.startswith(w)), None)
+        if w is None:
+            return location
+        out.append(_REGION_WORDS[w])
+        rest = rest[len(w):]
+    return "".join(out)
 
 
 def amlfs_rules(s: Settings) -> list[network.SecurityRuleArgs]:
-    """The AMLFS subnet's rules, after Microsoft's "Configure a network security group for Azure Managed Lustre"
-    and the AMLFS network prerequisites: any traffic between the file system's own hosts (SSH 22 among them,
-    for cluster deployment), Lustre (TCP 988, 1019-1023) with its clients both ways (servers call clients
-    back), HTTPS to AzureMonitor and AzureCloud (blob integration, management), NTP; everything else is
-    denied in both directions. Without the deny rules Azure's AllowVnetInBound (65000) would admit every
-    host of the VNet and of every peered or VPN-connected network. The clients are the compute subnet:
-    the login VM and the GPU nodes (clusterMode none: the nodes you put there)."""
+    """The AMLFS subnet's rules: Microsoft's table verbatim (azure-stack-docs
+    `azure-managed-lustre/configure-network-security-group.md`, "Create inbound security rules" and "Create
+    outbound security rules", same priorities), with the region of the regional service tags taken from
+    `location` and the client subnet = the compute subnet (the login VM and the GPU nodes; clusterMode none:
+    the nodes you put there). Without the deny rules Azure's AllowVnetInBound (65000) would admit every
+    host of the VNet and of every peered or VPN-connected network."""
+    Dir, Access, Proto = network.SecurityRuleDirection, network.SecurityRuleAccess, network.SecurityRuleProtocol
+    amlfs, compute, region = s.amlfs_subnet_cidr, s.compute_subnet_cidr, service_tag_region(s.location)
+    vnet, https = "VirtualNetwork", ["443"]
+    return [
+        # Inbound (table "Add the following inbound rules").
+        rule("any-in-within-amlfs", 110, Dir.INBOUND, amlfs, amlfs, ALL_PORTS, protocol=Proto.ASTERISK),
+        rule("lustre-in-from-clients", 111, Dir.INBOUND, compute, amlfs, LUSTRE_PORTS),
+        rule("any-in-from-azuremonitor", 112, Dir.INBOUND, "AzureMonitor", vnet, ALL_PORTS),
+        rule("deny-all-in", 120, Dir.INBOUND, "*", "*", ALL_PORTS, access=Access.DENY, protocol=Proto.ASTERISK),
+        # Outbound (table "Add the following outbound rules and network service tags").
+        rule("https-out-to-azuremonitor", 100, Dir.OUTBOUND, vnet, "AzureMonitor", https),
+        rule("https-out-to-keyvault", 101, Dir.OUTBOUND, vnet, f"AzureKeyVault.{region}", https),
+        rule("https-out-to-entra-id", 102, Dir.OUTBOUND, vnet, "AzureActiveDirectory", https),
+        rule("https-out-to-storage", 103, Dir.OUTBOUND, vnet, f"Storage.{region}", https),
+        rule("https-out-to-guest-hybrid-mgmt", 104, Dir.OUTBOUND, vnet, "GuestAndHybridManagement", https),
+        rule("https-out-to-apimanagement", 105, Dir.OUTBOUND, vnet, f"ApiManagement.{region}", https),
+        rule("https-out-to-datalake", 106, Dir.OUTBOUND, vnet, "AzureDataLake", https),
+        rule("https-out-to-arm", 107, Dir.OUTBOUND, vnet, "AzureResourceManager", https),
+        rule("lustre-out-to-clients", 108, Dir.OUTBOUND, amlfs, compute, LUSTRE_PORTS),
+        rule("ntp-out-to-microsoft", 109, Dir.OUTBOUND, amlfs, "168.61.215.74/32", ["123"], protocol=Proto.UDP),
+        rule("https-out-to-telemetry", 110, Dir.OUTBOUND, vnet, "20.34.120.0/21", https),
+        rule("any-out-within-amlfs", 111, Dir.OUTBOUND, amlfs, amlfs, ALL_PORTS, protocol=Proto.ASTERISK),
+        rule("https-out-to-eventhub", 112, Dir.OUTBOUND, vnet, "EventHub", https),
+        rule("deny-internet-out", 1000, Dir.OUTBOUND, vnet, "Internet", ALL_PORTS, access=Access.DENY, protocol=Proto.ASTERISK),
+        rule("deny-all-out", 1010, Dir.OUTBOUND, "*", "*", ALL_PORTS, access=Access.DENY, protocol=Proto.ASTERISK),
+    ]
+
+
+def compute_rules(s: Settings) -> list[network.SecurityRuleArgs]:
+    """The compute subnet's inbound rules (login VM and ND nodes): Lustre callbacks from the file system,
+    SSH from the way in, everything between the cluster's own hosts, then deny the rest of VirtualNetwork
+    (the VNet, peered networks, VPN, the Bastion subnet): without it Azure's AllowVnetInBound (65000) would
+    open Slurm (6817/6818, srun's ports), torchrun and NCCL to all of them."""
     Dir, Access, Proto = network.SecurityRuleDirection, network.SecurityRuleAccess, network.SecurityRuleProtocol
     amlfs, compute = s.amlfs_subnet_cidr, s.compute_subnet_cidr
+    ssh_rules = [rule(f"ssh-in-from-{'bastion' if src == s.bastion_subnet_cidr and s.access == 'bastion' else 'admin'}",
+                      110 + i, Dir.INBOUND, src, compute, ["22"]) for i, src in enumerate(ssh_sources(s))]
     return [
-        rule("lustre-in-from-compute", 100, Dir.INBOUND, compute, amlfs, LUSTRE_PORTS),
-        rule("any-in-within-amlfs", 110, Dir.INBOUND, amlfs, amlfs, ALL_PORTS, protocol=Proto.ASTERISK),
-        rule("deny-all-in", DENY_ALL_PRIORITY, Dir.INBOUND, "*", "*", ALL_PORTS, access=Access.DENY, protocol=Proto.ASTERISK),
-        rule("lustre-out-to-compute", 100, Dir.OUTBOUND, amlfs, compute, LUSTRE_PORTS),
-        rule("any-out-within-amlfs", 110, Dir.OUTBOUND, amlfs, amlfs, ALL_PORTS, protocol=Proto.ASTERISK),
-        rule("https-out-to-azuremonitor", 120, Dir.OUTBOUND, amlfs, "AzureMonitor", ["443"]),
-        rule("https-out-to-azurecloud", 130, Dir.OUTBOUND, amlfs, "AzureCloud", ["443"]),
-        rule("ntp-out", 140, Dir.OUTBOUND, amlfs, "*", ["123"], protocol=Proto.UDP),
-        rule("deny-all-out", DENY_ALL_PRIORITY, Dir.OUTBOUND, "*", "*", ALL_PORTS, access=Access.DENY, protocol=Proto.ASTERISK),
+        rule("lustre-in-from-amlfs", 100, Dir.INBOUND, amlfs, compute, LUSTRE_PORTS),
+        *ssh_rules,
+        # Login VM <-> ND nodes: SSH, Slurm (6817/6818 and srun's ephemeral ports), torchrun rendezvous, NCCL bootstrap.
+        rule("cluster-in-within-compute", 120, Dir.INBOUND, compute, compute, ["0-65535"], protocol=Proto.ASTERISK),
+        # SSH only from the sources above, whatever the source (a public IP's internet too).
+        rule("ssh-in-deny-other", 4000, Dir.INBOUND, "*", "*", ["22"], access=Access.DENY),
+        rule("deny-other-vnet-in", DENY_ALL_PRIORITY, Dir.INBOUND, "VirtualNetwork", "*", ALL_PORTS, access=Access.DENY,
+             protocol=Proto.ASTERISK),
+        rule("lustre-out-to-amlfs", 100, Dir.OUTBOUND, compute, amlfs, LUSTRE_PORTS),
     ]
 
 
@@ -112,26 +183,16 @@ class Network(pulumi.ComponentResource):
         vnet = network.VirtualNetwork(f"{name}-vnet", resource_group_name=rg, location=s.location,
                                       address_space=network.AddressSpaceArgs(address_prefixes=[s.vnet_cidr]), opts=child)
 
-        Dir, Access, Proto = network.SecurityRuleDirection, network.SecurityRuleAccess, network.SecurityRuleProtocol
         amlfs, compute = s.amlfs_subnet_cidr, s.compute_subnet_cidr
         amlfs_nsg = network.NetworkSecurityGroup(f"{name}-amlfs-nsg", resource_group_name=rg, location=s.location,
                                                  security_rules=amlfs_rules(s), opts=child)
-        ssh_rules = [rule(f"ssh-in-from-{'bastion' if src == s.bastion_subnet_cidr and s.access == 'bastion' else 'admin'}",
-                          110 + i, Dir.INBOUND, src, compute, ["22"]) for i, src in enumerate(ssh_sources(s))]
-        compute_nsg = network.NetworkSecurityGroup(f"{name}-compute-nsg", resource_group_name=rg, location=s.location, security_rules=[
-            rule("lustre-in-from-amlfs", 100, Dir.INBOUND, amlfs, compute, LUSTRE_PORTS),
-            *ssh_rules,
-            # Login VM <-> ND nodes: SSH, Slurm (6817/6818 and srun's ephemeral ports), torchrun rendezvous, NCCL bootstrap.
-            rule("cluster-in-within-compute", 120, Dir.INBOUND, compute, compute, ["0-65535"], protocol=Proto.ASTERISK),
-            # Azure's default AllowVnetInBound would let any VNet address SSH in: SSH only from the sources above.
-            rule("ssh-in-deny-other", 4000, Dir.INBOUND, "*", "*", ["22"], access=Access.DENY),
-            rule("lustre-out-to-amlfs", 100, Dir.OUTBOUND, compute, amlfs, LUSTRE_PORTS),
-        ], opts=child)
+        compute_nsg = network.NetworkSecurityGroup(f"{name}-compute-nsg", resource_group_name=rg, location=s.location,
+                                                   security_rules=compute_rules(s), opts=child)
 
         # New VNets no longer get default outbound access (subnets are private by default), and the nodes
         # have no public IPs; they still need package mirrors, the AMLFS apt repo, PyPI and Azure
-        # endpoints. A NAT gateway gives the subnet outbound-only connectivity. The file system subnet
-        # needs outbound to the AzureCloud service tag for the same reason, so it shares the gateway.
+        # endpoints. A NAT gateway gives the subnet outbound-only connectivity. The file system subnet's
+        # outbound service tags (its NSG above) need the same path, so it shares the gateway.
         nat_ip = network.PublicIPAddress(f"{name}-nat-ip", resource_group_name=rg, location=s.location,
                                          sku=network.PublicIPAddressSkuArgs(name=network.PublicIPAddressSkuName.STANDARD,
                                                                             tier=network.PublicIPAddressSkuTier.REGIONAL),

@@ -15,7 +15,7 @@ from typing import Any
 
 from tiered_ckpt.lifecycle.archive_retention import JOURNAL_PREFIX
 
-from . import cloud_init, oncalendar, sizing, subnets
+from . import cloud_init, oncalendar, sizing, subnets, vm_security
 
 NAMESPACE = "tiered"
 
@@ -90,12 +90,8 @@ LOGIN_VM_SIZES = (
     "Standard_D4s_v5", "Standard_D8s_v5", "Standard_D16s_v5", "Standard_D4ds_v5", "Standard_D8ds_v5", "Standard_D16ds_v5",
     "Standard_D4as_v5", "Standard_D8as_v5", "Standard_D16as_v5", "Standard_E4s_v5", "Standard_E8s_v5", "Standard_E16s_v5",
 )
-# Trusted Launch (Gen2 image, secure boot, vTPM). ND sizes we enable it on with `trustedLaunch: auto`: the
-# ND A100 v4 and ND H100/H200 v5 sizes and the login sizes above (Dsv5/Ddsv5/Dasv5/Esv5), taken as Trusted
-# Launch capable from Microsoft's "Trusted launch for Azure virtual machines" size table; that is not checked
-# at deploy time: docs/deploy.md gives the `az vm list-skus` query (capability TrustedLaunchDisabled) that is.
-TRUSTED_LAUNCH_MODES = ("auto", "on", "off")
-TRUSTED_LAUNCH_SIZES = frozenset({*ND_ETHERNET_GBITS, *LOGIN_VM_SIZES})
+# Trusted Launch per size and what each VM gets: components/vm_security.py (sizes with their source).
+TRUSTED_LAUNCH_MODES = vm_security.MODES
 # A Lustre NID list as AMLFS's noSquashNidLists takes it (root squash doc: "10.0.2.4@tcp;10.0.2.[6-8]@tcp"):
 # ';'-separated NIDs, each octet a number or a [lo-hi] range, on the tcp network.
 _NID_OCTET = r"(?:\d{1,3}|\[\d{1,3}-\d{1,3}\])"
@@ -189,7 +185,7 @@ class Settings:
     vm_size: str = key("vmSize", "Standard_ND96isr_H100_v5",
         "GPU node size; must be an ND-series size.")
     trusted_launch: str = key("trustedLaunch", "auto",
-        "Trusted Launch (secure boot + vTPM) on the login VM and GPU nodes: auto (on where the size is known to support it), on or off.")
+        "Trusted Launch (vTPM; Secure Boot stays off: the image's kernel modules are DKMS-built) on the login VM and GPU nodes: auto (where the size supports it; not ND A100 v4), on or off (Standard).")
     owner: str = key("owner", "",
         "Value of the owner tag on every resource (team or person to ask about the stack); empty = unassigned.")
     tools_upload_cidr: str = key("toolsUploadCidr", "",
@@ -198,8 +194,15 @@ class Settings:
         "Number of GPU nodes.")
     node_ethernet_gbps: int = key("nodeEthernetGbps", 0,
         "Per-node Ethernet in Gbit/s for the sizing model; 0 = known value for the VM size.")
-    storage_sku: str = key("storageSku", "Standard_LRS",
-        "Storage account redundancy (Standard_*; archive tiering needs LRS/GRS/RA-GRS).")
+    # Zone-redundant by default: the archive is the only durable copy of every checkpoint, and the
+    # file system is zonal (`zone`), so a zone outage must not take the archive with it. AMLFS blob
+    # integration accepts every Standard redundancy (LRS, ZRS, GRS, RA-GRS, GZRS, RA-GZRS; Premium
+    # block blob LRS/ZRS): https://learn.microsoft.com/azure/azure-managed-lustre/amlfs-prerequisites
+    # ("Supported storage account types"). The lifecycle tiers to Cool/Cold only, which ZRS supports
+    # (the Archive tier, which it does not, is never used). GZRS adds an asynchronous copy in the
+    # paired region, for a disaster-recovery plan that has compute there too.
+    storage_sku: str = key("storageSku", "Standard_ZRS",
+        "Storage account redundancy of the archive (the only durable copy): Standard_ZRS (default, survives a zone outage), Standard_GZRS for a second region, Standard_LRS for a throw-away stack.")
     checkpoint_prefix: str = key("checkpointPrefix", "/checkpoints",
         "Absolute Lustre path of the checkpoint root under /lustrefs; also the blob prefix exported and imported.")
     model_name: str = key("modelName", "default",
@@ -243,13 +246,14 @@ class Settings:
         return f"{self.name_prefix}-{self.stack}"
 
     @property
-    def trusted_launch_enabled(self) -> bool:
-        """Trusted Launch on the ND nodes (the login sizes all support it; `off` turns both off)."""
-        return self.trusted_launch == "on" or (self.trusted_launch == "auto" and self.vm_size in TRUSTED_LAUNCH_SIZES)
+    def node_security(self) -> vm_security.VmSecurity:
+        """The ND nodes' security profile and boot path (components/vm_security.py)."""
+        return vm_security.vm_security(self.vm_size, self.trusted_launch)
 
     @property
-    def login_trusted_launch_enabled(self) -> bool:
-        return self.trusted_launch == "on" or (self.trusted_launch == "auto" and self.login_vm_size in TRUSTED_LAUNCH_SIZES)
+    def login_security(self) -> vm_security.VmSecurity:
+        """The login VM's security profile and boot path."""
+        return vm_security.vm_security(self.login_vm_size, self.trusted_launch)
 
     @property
     def amlfs_name(self) -> str:
@@ -500,6 +504,15 @@ def _check_security(s: dict[str, Any]) -> Problems:
     if s["trustedLaunch"] not in TRUSTED_LAUNCH_MODES:
         yield _fail("trustedLaunch", s["trustedLaunch"], "is not a Trusted Launch mode",
                     "use auto (on where the VM size supports it), on or off")
+    elif s["trustedLaunch"] == "on":
+        # ARM refuses such a scale set ("The VM size ... is not supported ... with 'TrustedLaunch' security
+        # type") only after the file system exists: refuse it here, before anything bills.
+        sizes = [("vmSize", s["vmSize"])] + ([("loginVmSize", s["loginVmSize"])] if s["clusterMode"] != "none" else [])
+        for name, size in sizes:
+            if vm_security.supports_trusted_launch(size) is False:
+                yield _fail("trustedLaunch", "on", f"asks for Trusted Launch on {_k(name)} {size}, which does not support it "
+                            f"({vm_security.TRUSTED_LAUNCH_SUPPORT[size].source})",
+                            "set tiered:trustedLaunch auto (Standard on that size) or off, or pick a size that supports it, e.g. Standard_ND96isr_H100_v5")
     nids = s["rootSquashTrustedNids"].strip()
     if nids:
         bad = [n for n in nids.split(";") if not NID.fullmatch(n.strip()) or any(

@@ -42,9 +42,12 @@ here (and in dcp_stage) only: the rest of the toolkit works without it.
 """
 from __future__ import annotations
 
+import functools
 import gc
+import heapq
 import io
 import logging
+import math
 import os
 import pickle
 import threading
@@ -69,7 +72,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_ckpt import dcp_pickle, dcp_stage
+from tiered_ckpt import dcp_pickle, dcp_stage, records
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
@@ -80,7 +83,7 @@ from tiered_ckpt.io.layout import SHARD, FilePlan, Segment, new_save_id
 from tiered_ckpt.io.options import IoOptions, WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline
 from tiered_ckpt.io.posix import fsync_parents, open_subdir, os_error, write_small
-from tiered_ckpt.io.sources import Source, to_source
+from tiered_ckpt.io.sources import Source, byte_view, to_source
 from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import CheckpointId, make_id, require_name, scheme
@@ -307,6 +310,12 @@ class TieredWriter(StorageWriter):
             self.close()
         seconds = time.monotonic() - getattr(self, "_t0", time.monotonic())
         total = sum(e.size for e in entries)
+        # The same record tc.save leaves (records.py): save metrics, and the timeline's write start
+        # (time of the record minus `seconds`). Best effort: never fails the committed save.
+        records.record(self.root, self.model, records.SAVE,
+                       {"name": self.cid.name, "bytes": total, "seconds": seconds, "files": len(entries),
+                        "world_size": len(results), "via": "dcp"},
+                       totals={"saves": 1, "bytes": total})
         log.info("DCP save committed %s: %d bytes, %d rank(s), %.2fs since planning", self.cid.name, total,
                  len(results), seconds,
                  extra=fields("dcp save", model=self.model, checkpoint=self.cid.name, duration_s=seconds,
@@ -464,15 +473,18 @@ def _layout(sources: list[Source], rank: int, sid: str, opts: WriteOptions) -> t
     files = [FilePlan(SHARD.format(rank=rank, i=i, sid=sid), 0) for i in range(nfiles)]
     where: list[tuple[str, int]] = [("", 0)] * len(sources)
     order = sorted(range(len(sources)), key=lambda i: -sources[i].nbytes)
+    fill_heap = [(0, j) for j in range(nfiles)]     # (bytes so far, file): the least filled on top
     for i in order:
         n = sources[i].nbytes
         if not n:
             where[i] = (files[0].path, 0)    # the largest item is there: that file exists
             continue
-        f = min(files, key=lambda fp: fp.size)
+        _, j = fill_heap[0]
+        f = files[j]
         where[i] = (f.path, f.size)
         f.segments.append(Segment(i, 0, f.size, n))
         f.size += n
+        heapq.heapreplace(fill_heap, (f.size, j))
     return [f for f in files if f.size or f is files[0]], where
 
 
@@ -617,21 +629,25 @@ class TieredReader(StorageReader):
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Every requested byte range read by several threads straight into its destination
-        (io/fill.py: O_DIRECT where the file's pages and the memory line up, small items coalesced);
-        a whole saved tensor lands in the destination tensor when its dtype, shape and layout allow
-        (no intermediate buffer, no copy), then every item is handed to the planner."""
+        (io/fill.py: O_DIRECT wherever the file's pages allow, whatever the destination's address;
+        small items coalesced). A request for a whole saved tensor, or for a part of one that is
+        one byte range (a resharded load's rows), lands in the destination tensor itself when its
+        dtype, shape and layout allow (no intermediate buffer, no copy); otherwise only the bytes
+        asked for are read into a page-aligned buffer and copied. Then every item goes to the planner."""
         sizes = {f.path: f.size for f in self.manifest.files}
         pieces: dict[str, Pieces] = {}
-        items: list[tuple[Any, _Stored, Any, memoryview]] = []
+        items: list[tuple[Any, _Stored, Any, memoryview, bool]] = []
+        path = self.path           # a property: computed once, not per item
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if not isinstance(info, _Stored):
-                raise IntegrityError(f"{self.path}: DCP metadata has no valid location for {req.storage_index.fqn!r}; "
+                raise IntegrityError(f"{path}: DCP metadata has no valid location for {req.storage_index.fqn!r}; "
                                      "restore the checkpoint from the archive (tiered-ckpt restore)")
-            _check_stored(self.path, info, sizes)
-            dest, view = _destination(req, info, planner)
-            pieces.setdefault(info.relative_path, []).append((info.offset, info.length, view))
-            items.append((req, info, dest, view))
+            _check_stored(path, info, sizes)
+            off, n, part = _byte_range(path, req, info)
+            dest, view = _destination(req, info, planner, off, n, part)
+            pieces.setdefault(info.relative_path, []).append((off, n, view))
+            items.append((req, info, dest, view, part))
         files = [f for f in self.manifest.files if f.path in pieces]
         bufs = pools.pool("read", self.io.threads * self.io.block_size, self.io.block_size)
 
@@ -642,7 +658,7 @@ class TieredReader(StorageReader):
                              check_hash=False, stream=stream, progress=None, anchor=self.root)
         if problems:
             raise IntegrityError("; ".join(problems) + "; restore the checkpoint from the archive (tiered-ckpt restore)")
-        for req, info, dest, view in items:
+        for req, info, dest, view, part in items:
             if req.type == LoadItemType.BYTE_IO:
                 # DCP's planner torch.load()s these bytes (weights_only=False): hashed first.
                 self._check_item(info, view, req.storage_index.fqn)
@@ -651,10 +667,13 @@ class TieredReader(StorageReader):
             if dest is not None:
                 planner.commit_tensor(req, dest)
                 continue
-            assert info.dtype is not None and info.shape is not None
-            dtype = getattr(torch, info.dtype)
-            t = torch.frombuffer(view, dtype=dtype) if info.length else torch.empty(0, dtype=dtype)
-            t = narrow_tensor_by_index(t.reshape(info.shape), req.storage_offsets, req.lengths)
+            dtype = _dtype(info.dtype) if info.dtype is not None else None
+            assert dtype is not None and info.shape is not None
+            t = torch.frombuffer(view, dtype=dtype) if len(view) else torch.empty(0, dtype=dtype)
+            if part:
+                t = t.reshape(tuple(req.lengths))
+            else:
+                t = narrow_tensor_by_index(t.reshape(info.shape), req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != t.size():
                 raise IntegrityError(f"{self.path / info.relative_path}: item {req.storage_index.fqn} has shape "
@@ -663,17 +682,70 @@ class TieredReader(StorageReader):
             planner.commit_tensor(req, target)
 
 
-def _destination(req: Any, info: _Stored, planner: LoadPlanner) -> tuple[Any, memoryview]:
-    """(the destination tensor when the bytes go straight into it, else None; the buffer to read into)."""
-    if req.type == LoadItemType.BYTE_IO or not info.length:
-        return None, memoryview(bytearray(info.length))
-    whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(info.shape or ())
-    if whole:
+def _byte_range(path: Path, req: Any, info: _Stored) -> tuple[int, int, bool]:
+    """(file offset, bytes, whether that is only the part asked for) to read for one request.
+
+    A part of a saved tensor (storage_offsets/lengths: resharding) is one byte range of its
+    row-major bytes when every dimension before some k is asked for one index and every one
+    after k in full; then only it is read. Otherwise the whole item is."""
+    if req.type == LoadItemType.BYTE_IO or info.shape is None or info.dtype is None:
+        return info.offset, info.length, False
+    shape, offs, lens = tuple(info.shape), tuple(req.storage_offsets), tuple(req.lengths)
+    if lens == shape and not any(offs):          # the whole item: the common case, checked cheaply
+        return info.offset, info.length, False
+    if len(offs) != len(shape) or len(lens) != len(shape) or any(
+            not (0 <= o and 0 <= n and o + n <= d) for o, n, d in zip(offs, lens, shape, strict=True)):
+        raise IntegrityError(f"{path / info.relative_path}: DCP asks for {_box(offs, lens)} of item "
+                             f"{req.storage_index.fqn}, which has shape {shape}; the checkpoint's metadata is "
+                             "damaged — restore it from the archive (tiered-ckpt restore)")
+    k = 0
+    while k < len(shape) and lens[k] == 1:
+        k += 1
+    if any(lens[i] != shape[i] for i in range(k + 1, len(shape))):
+        return info.offset, info.length, False
+    dt = _dtype(info.dtype)
+    assert dt is not None               # _check_stored ran
+    itemsize = dt.itemsize
+    start, stride = 0, itemsize
+    for i in range(len(shape) - 1, -1, -1):
+        start += offs[i] * stride
+        stride *= shape[i]
+    n = itemsize
+    for d in lens:
+        n *= d
+    return info.offset + start, n, True
+
+
+def _box(offs: tuple[int, ...], lens: tuple[int, ...]) -> str:
+    """A request's index ranges, as [start:end, ...]."""
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offs, lens, strict=False)) + "]"
+
+
+def _destination(req: Any, info: _Stored, planner: LoadPlanner, off: int, n: int,
+                 part: bool) -> tuple[Any, memoryview]:
+    """(the destination tensor when the bytes go straight into it, else None; the buffer to read into).
+
+    Straight in when DCP's destination is a contiguous CPU tensor of the dtype and of the shape
+    read (the whole item, or the part `_byte_range` found); wherever the allocator placed it."""
+    if req.type == LoadItemType.BYTE_IO or not n:
+        return None, memoryview(bytearray(n))
+    shape = tuple(req.lengths) if part else tuple(info.shape or ())
+    if part or (all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == shape):
         target = planner.resolve_tensor(req).detach()
-        if (target.device.type == "cpu" and target.is_contiguous() and tuple(target.shape) == tuple(info.shape or ())
+        if (target.device.type == "cpu" and target.is_contiguous() and tuple(target.shape) == shape
                 and str(target.dtype).removeprefix("torch.") == info.dtype):
-            return target, memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    return None, memoryview(bytearray(info.length))
+            return target, byte_view(target.data_ptr(), n)    # _read holds target beside the view
+    # Placed at the file offset's place in its page, so that O_DIRECT lands in it (io/fill.py).
+    raw = torch.empty(n + pools.ALIGN, dtype=torch.uint8)
+    shift = (off - raw.data_ptr()) % pools.ALIGN
+    return None, memoryview(raw[shift:shift + n].numpy())  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(name: str) -> torch.dtype | None:
+    """The torch dtype a metadata entry names (once per name, not per item), None if it names none."""
+    dt = getattr(torch, name, None)
+    return dt if isinstance(dt, torch.dtype) else None
 
 
 def _check_stored(path: Path, info: _Stored, sizes: dict[str, int]) -> None:
@@ -686,14 +758,11 @@ def _check_stored(path: Path, info: _Stored, sizes: dict[str, int]) -> None:
               and 0 <= info.length and info.offset + info.length <= size):
         bad = f"places an item at bytes {info.offset}+{info.length} of {info.relative_path} ({size} bytes)"
     elif info.dtype is not None:
-        dt = getattr(torch, info.dtype, None)
-        if not isinstance(dt, torch.dtype) or info.shape is None:
+        dt = _dtype(info.dtype) if isinstance(info.dtype, str) else None
+        if dt is None or info.shape is None:
             bad = f"records dtype {info.dtype!r}, not a torch dtype"
         else:
-            n = 1
-            for d in info.shape:
-                n *= d
-            if n * dt.itemsize != info.length:
+            if math.prod(info.shape) * dt.itemsize != info.length:
                 bad = f"records {info.length} bytes for a {info.dtype} tensor of shape {tuple(info.shape)}"
     if bad is not None:
         raise IntegrityError(f"{path}: DCP metadata {bad}; the checkpoint is damaged — restore it from the "

@@ -20,8 +20,9 @@ once, sized to the state being saved, and reused by later saves; `close()` gives
 memory no save holds (DCP calls it when its checkpointer closes; call it to free the staging
 between saves). `pool_bytes` and `peak_bytes` say what it holds.
 
-CUDA tensors are copied on a side stream per device (non_blocking, into pinned memory), which
-first waits for the device's current stream; `stage` returns once an event recorded after the
+Host tensors are copied with GIL-free memmoves on `threads` threads (default io.threads, at most
+one per core: the copy floor is a multi-core memcpy, not one thread's). CUDA tensors are copied
+on a side stream per device (non_blocking, into pinned memory), which first waits for the device's current stream; `stage` returns once an event recorded after the
 last copy completed, so the caller may change its tensors right away.
 
 Memory budget (``budget_bytes``, default the node config's io.staging_bytes, 4 GiB): the pool
@@ -41,6 +42,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 import threading
 import time
 import weakref
@@ -54,6 +56,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from tiered_ckpt.config import IoConfig
 from tiered_ckpt.errors import UserError
+from tiered_ckpt.io import pools
 from tiered_ckpt.io.pools import ALIGN
 
 __all__ = ["TieredStager", "addresses", "notify_written"]
@@ -157,8 +160,10 @@ class TieredStager(AsyncStager):
     _synchronize_after_execute = True
 
     def __init__(self, budget_bytes: int | None = None, *, pin_memory: bool | None = None, share_memory: bool = False,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, threads: int | None = None) -> None:
         budget = IoConfig().staging_bytes if budget_bytes is None else budget_bytes
+        # Host tensors are copied by this many threads (GIL-free memmoves), at most one per core.
+        self.threads = max(1, min(threads or IoConfig().threads, os.cpu_count() or 1))
         if not isinstance(budget, int) or budget < ALIGN:
             raise UserError(f"TieredStager(budget_bytes={budget_bytes!r}): pass the staging memory in bytes, at least "
                             f"{ALIGN} (e.g. budget_bytes=8 << 30)")
@@ -212,6 +217,7 @@ class TieredStager(AsyncStager):
         memo: dict[int, Any] = {}
         regions: list[tuple[int, int]] = []
         side = _SideStreams(self.pin)
+        host: list[tuple[int, int, int]] = []      # (staging address, tensor address, bytes)
         try:
             for group in sorted(groups, key=lambda g: -sum(sizes[i] for i in g)):
                 total = sum(sizes[i] for i in group)
@@ -228,9 +234,13 @@ class TieredStager(AsyncStager):
                         regions.append((chunk.address + pos, chunk.address + pos + n))
                     else:
                         dst = torch.empty(src.shape, dtype=src.dtype)
-                    side.copy(dst, src.detach())
+                    if n and src.device.type == "cpu" and src.is_contiguous():
+                        host.append((dst.data_ptr(), src.data_ptr(), n))    # below, on several threads
+                    else:
+                        side.copy(dst, src.detach())
                     memo[i] = _rewrap(t, dst)
                     pos += sizes[i]
+            pools.memmove_all(host, self.threads)
             side.wait()          # the device-to-host copies are complete before the caller changes its tensors
         except BaseException:
             side.wait()

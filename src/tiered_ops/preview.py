@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from components import sizing
+from components import sizing, vm_security
 from tiered_ckpt.cli.output import print_error
 from tiered_ckpt.errors import EXIT_OK, EXIT_USAGE
 from tiered_ckpt.redact import redact_data
@@ -129,9 +129,43 @@ def key_properties(r: Res) -> str:
     return "  ".join(f"{k}={_fmt(v)}" for k, v in parts.items() if v not in (None, ""))
 
 
+def _security_profile(profile: dict[str, Any] | None) -> dict[str, Any]:
+    """A securityProfile as sent: securityType, and Secure Boot / vTPM where Trusted Launch sets them."""
+    p = profile or {}
+    uefi = p.get("uefiSettings") or {}
+    return {"securityType": p.get("securityType") or "(unset: the API's default)",
+            "secureBoot": bool(uefi.get("secureBootEnabled")), "vTPM": bool(uefi.get("vTpmEnabled"))}
+
+
+VM_TYPES = ("azure-native:compute:VirtualMachine", "azure-native:compute:VirtualMachineScaleSet")
+
+
+def vm_summary(result: mockrun.PreviewResult) -> list[dict[str, Any]]:
+    """Per VM (the login VM, the scale set): size, the security profile as sent, and the boot path that goes
+    with it (components/vm_security.py: which Lustre client the image's boot loads, and why). `matches` is
+    False when the sent profile differs from that decision: a reviewer must not miss it."""
+    mode = str(result.config.get("tiered:trustedLaunch", "auto"))
+    out: list[dict[str, Any]] = []
+    for r in result.resources:
+        if r.type not in VM_TYPES:
+            continue
+        scale_set = r.type.endswith("VirtualMachineScaleSet")
+        size = str(_get(r.inputs, "sku", "name") if scale_set else _get(r.inputs, "hardwareProfile", "vmSize"))
+        sent = _security_profile(_get(r.inputs, "virtualMachineProfile", "securityProfile") if scale_set else r.inputs.get("securityProfile"))
+        decided = vm_security.vm_security(size, mode)
+        out.append({
+            "name": r.name, "kind": "scale set (ND nodes)" if scale_set else "login VM", "size": size, **sent,
+            "lustreClient": decided.lustre_client, "why": decided.why,
+            "matches": (sent["securityType"], sent["secureBoot"], sent["vTPM"]) == (decided.security_type, decided.secure_boot, decided.vtpm),
+            # The Slurm packages this VM installs: the node boot's side fills this in (printed when set).
+            "slurmPackages": None,
+        })
+    return out
+
+
 def _rule(x: dict[str, Any]) -> str:
     """An NSG rule as a reviewer checks it: name(I|O priority Allow|Deny source->destination:ports)."""
-    ports = ",".join(x.get("destinationPortRanges") or [x.get("destinationPortRange") or "*"])
+    ports = x.get("destinationPortRange") or ",".join(x.get("destinationPortRanges") or []) or "(none)"
     return (f"{x['name']}({x['direction'][0]}{_fmt(x['priority'])} {x.get('access')} {x.get('protocol')} "
             f"{x.get('sourceAddressPrefix')}->{x.get('destinationAddressPrefix')}:{ports})")
 
@@ -268,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                            "steps": [{"op": "create", "urn": r.urn, "type": r.type, "name": r.name, "parent": r.parent,
                                       "custom": r.custom, "protect": r.protect, "retainOnDelete": r.retain_on_delete,
                                       "inputs": _jsonable(r.inputs)} for r in result.resources],
-                           "placeholders": placeholders(result)})
+                           "vms": vm_summary(result), "placeholders": placeholders(result)})
         # The decoded custom data is not redacted: it is the same bytes the steps carry base64-encoded
         # (which no redaction pattern sees), it holds no secret by design (tests scan it), and the
         # redaction patterns would rewrite the script's own words ("bearer token", the curl header).
@@ -282,6 +316,17 @@ def main(argv: list[str] | None = None) -> int:
         for r in custom:
             if r.parent == comp.urn:
                 print(f"  + {r.type.removeprefix('azure-native:'):<40} {r.name:<40} {key_properties(r)}")
+    vms = vm_summary(result)
+    if vms:
+        print("\nper VM (security profile as sent; boot path that goes with it):")
+        for v in vms:
+            flag = "" if v["matches"] else "  MISMATCH with components/vm_security.py"
+            print(f"  {v['name']:<22} {v['kind']:<20} {v['size']:<28} securityType={v['securityType']}  "
+                  f"secureBoot={'on' if v['secureBoot'] else 'off'}  vTPM={'on' if v['vTPM'] else 'off'}  "
+                  f"lustreClient={v['lustreClient']}{flag}")
+            if v["slurmPackages"]:
+                print(f"  {'':<22} slurm packages: {v['slurmPackages']}")
+            print(f"  {'':<22} why: {v['why']}")
     o = result.outputs
     if o.get("sshCommand"):
         print(f"\nway in ({o.get('access')}): {o['sshCommand']}")

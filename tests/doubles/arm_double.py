@@ -16,6 +16,17 @@ azure-mgmt-storagecache 4.1.0 client sends. Examples followed, response by respo
 * GET  .../importJobs                          -- 2026-08-01/importJobs_ListByAmlFilesystem.json ({"value": [...]})
 * DELETE .../importJobs/{job}                  -- 2026-08-01/importJobs_Delete.json (202 + headers / 204)
 * GET  .../locations/{loc}/ascOperations/{id}  -- 2026-08-01/AscOperations_Get.json (the async-operation monitor)
+* GET  /subscriptions/{sub}/providers/Microsoft.StorageCache/skus -- Skus_List.json (the preflight's region check)
+
+Two reads outside Microsoft.StorageCache, for the program's preflight (components/regions.py), each at
+its own api-version:
+
+* GET  /subscriptions/{sub}/providers/Microsoft.Compute/skus?$filter=location eq '<loc>'
+  -- Microsoft.Compute/Skus/stable/2021-07-01/examples/skus/ListAvailableResourceSkusForARegion.json
+  (resourceType, name, tier, size, family, locations, locationInfo[].zones/zoneDetails, capabilities,
+  restrictions; "nextLink" pages), api-version 2021-07-01; the filter is honoured (one location only)
+* GET  /subscriptions/{sub}/providers/Microsoft.StorageCache -- Microsoft.Resources 2021-04-01 Providers_Get
+  (resources.json: Provider.resourceTypes[].locations, .zoneMappings[] {location, zones}), api-version 2021-04-01
 
 Every request is authorized as ARM does (role actions/notActions at a scope, per bearer token;
 see Grant): the node identity gets the roles the Pulumi program assigns (tests/doubles/
@@ -210,6 +221,13 @@ class Scenario:
     # The subscription's StorageCache SKU list (Skus_List.json shape: resourceType, name, locations,
     # locationInfo with zones, restrictions). None = the four AMLFS SKUs in the double's location, zones 1-3.
     skus: list[dict[str, Any]] | None = None
+    # The subscription's compute SKU list (ResourceSkus_List shape). None = the ND and login sizes the program
+    # knows, in the double's location, zones 1-3, with TrustedLaunchDisabled=True on the ND A100 v4 sizes
+    # (azure-compute-docs trusted-launch.md: NDasrA100_v4 and NDm_A100_v4 "Currently not supported").
+    compute_skus: list[dict[str, Any]] | None = None
+    compute_skus_page: int = 0            # entries per page (then "nextLink"); 0 = one page
+    # The StorageCache provider registration (Providers_Get shape). None = amlFilesystems in the double's location.
+    provider: dict[str, Any] | None = None
 
     def fail_next(self, kind: str, *statuses: int) -> None:
         self.faults.setdefault(kind, []).extend(statuses)
@@ -226,6 +244,8 @@ _ROUTES: list[tuple[str, re.Pattern[str]]] = [
     ("cancelArchive", re.compile(_ROOT + r"/cancelarchive$", re.I)),
     ("fs", re.compile(_ROOT + r"$", re.I)),
     ("skus", re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/microsoft\.storagecache/skus$", re.I)),
+    ("computeSkus", re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/microsoft\.compute/skus$", re.I)),
+    ("provider", re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/microsoft\.storagecache$", re.I)),
     ("fss", re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourcegroups/(?P<rg>[^/]+)/providers/microsoft\.storagecache/amlfilesystems$", re.I)),
 ]
 
@@ -407,7 +427,7 @@ class ArmDouble:
             return 401, {"WWW-Authenticate": 'Bearer authorization_uri="https://login.microsoftonline.com/common"'}, _err(
                 "AuthenticationFailed", "Authentication failed. The 'Authorization' header is missing."
             )
-        if query.get("api-version") != [API_VERSION]:
+        if query.get("api-version") != [KIND_API_VERSIONS.get(kind.split(".")[0], API_VERSION)]:
             return 400, {}, _err("InvalidApiVersionParameter", f"The api-version '{query.get('api-version')}' is invalid.")
         base = kind.split(":")[0]
         denied = self._authorize(auth[len("Bearer "):], base, path)
@@ -438,6 +458,10 @@ class ArmDouble:
             return 200, {}, self._fs_body()
         if base == "skus.get":
             return 200, {}, {"value": self._skus()}
+        if base == "computeSkus.get":
+            return self._compute_skus(query)
+        if base == "provider.get":
+            return 200, {}, self._provider()
         if base == "fss.get":     # amlFilesystems_ListByResourceGroup.json
             here = g["rg"].lower() == self.resource_group.lower()
             return 200, {}, {"value": [self._fs_body()] if here else []}
@@ -713,6 +737,33 @@ class ArmDouble:
                  "capabilities": [{"name": "bandwidth (MB/s/TiB)", "value": str(tier)}], "restrictions": []}
                 for tier in (40, 125, 250, 500)]
 
+    def _compute_skus(self, query: dict[str, list[str]]) -> tuple[int, dict[str, str], Any]:
+        entries = self.scenario.compute_skus if self.scenario.compute_skus is not None else default_compute_skus(self.location)
+        flt = (query.get("$filter") or [""])[0]
+        if flt:
+            m = re.fullmatch(r"\s*location\s+eq\s+'([^']+)'\s*", flt, re.I)
+            if m is None:     # the spec: "Only **location** filter is supported currently"
+                return 400, {}, _err("InvalidFilter", f"The filter '{flt}' is not supported; only location is.")
+            loc = m.group(1).replace(" ", "").lower()
+            entries = [e for e in entries if loc in {str(x).replace(" ", "").lower() for x in e.get("locations", [])}]
+        start = int((query.get("$skiptoken") or ["0"])[0])
+        size = self.scenario.compute_skus_page or len(entries) or 1
+        page, rest = entries[start:start + size], entries[start + size:]
+        body: dict[str, Any] = {"value": page, "nextLink": None}
+        if rest:
+            q = f"api-version={KIND_API_VERSIONS['computeSkus']}&$skiptoken={start + size}" + (f"&$filter={flt}" if flt else "")
+            body["nextLink"] = f"{self.endpoint}/subscriptions/{self.subscription_id}/providers/Microsoft.Compute/skus?{q}"
+        return 200, {}, body
+
+    def _provider(self) -> dict[str, Any]:
+        if self.scenario.provider is not None:
+            return self.scenario.provider
+        display = {"eastus": "East US", "westeurope": "West Europe"}.get(self.location, self.location)
+        return {"id": f"/subscriptions/{self.subscription_id}/providers/Microsoft.StorageCache", "namespace": "Microsoft.StorageCache",
+                "registrationState": "Registered", "registrationPolicy": "RegistrationRequired",
+                "resourceTypes": [{"resourceType": "amlFilesystems", "locations": [display], "apiVersions": [API_VERSION],
+                                   "zoneMappings": [{"location": display, "zones": ["1", "2", "3"]}]}]}
+
     def _fs_body(self) -> dict[str, Any]:
         self._advance_archive()
         sa = f"/subscriptions/{self.subscription_id}/resourceGroups/{self.resource_group}/providers/Microsoft.Storage/storageAccounts/storageaccountname/blobServices/default/containers"
@@ -757,6 +808,32 @@ class ArmDouble:
         }
 
 
+# Kinds served at another api-version than the StorageCache operations.
+KIND_API_VERSIONS = {"computeSkus": "2021-07-01", "provider": "2021-04-01"}
+
+
+def compute_sku(name: str, location: str, family: str, *, zones: tuple[str, ...] = ("1", "2", "3"),
+                trusted_launch_disabled: bool = False, restrictions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One virtualMachines entry shaped like ListAvailableResourceSkusForARegion.json (2021-07-01)."""
+    caps = [{"name": "HyperVGenerations", "value": "V2"}, {"name": "AcceleratedNetworkingEnabled", "value": "True"}]
+    if trusted_launch_disabled:
+        caps.append({"name": "TrustedLaunchDisabled", "value": "True"})
+    return {"resourceType": "virtualMachines", "locations": [location], "capabilities": caps,
+            "locationInfo": [{"location": location, "zones": list(zones), "zoneDetails": []}],
+            "name": name, "tier": "Standard", "size": name.removeprefix("Standard_"), "family": family,
+            "restrictions": restrictions or []}
+
+
+def default_compute_skus(location: str) -> list[dict[str, Any]]:
+    return [
+        compute_sku("Standard_ND96isr_H100_v5", location, "standardNDSH100v5Family"),
+        compute_sku("Standard_ND96isr_H200_v5", location, "standardNDSH200v5Family"),
+        compute_sku("Standard_ND96amsr_A100_v4", location, "StandardNDAMSv4_A100Family", trusted_launch_disabled=True),
+        compute_sku("Standard_ND96asr_v4", location, "standardNDASv4_A100Family", trusted_launch_disabled=True),
+        *(compute_sku(f"Standard_D{n}s_v5", location, "standardDSv5Family") for n in (4, 8, 16)),
+    ]
+
+
 def _err(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
@@ -781,6 +858,9 @@ def _action(kind: str) -> str:
         "asyncop.get": "Microsoft.StorageCache/locations/ascoperations/read",
         # The SKU list is a subscription-scope read (Skus_List): the program's preflight needs it, nodes never.
         "skus.get": "Microsoft.StorageCache/skus/read",
+        "computeSkus.get": "Microsoft.Compute/skus/read",
+        # Reading a provider's registration: this double's choice of action name (Contributor's "*" covers it).
+        "provider.get": "Microsoft.Resources/subscriptions/providers/read",
         "autoexports.get": f"{base}/autoExportJobs/read",
         "fs.get": f"{base}/read",
         "fss.get": f"{base}/read",

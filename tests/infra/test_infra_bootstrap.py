@@ -118,12 +118,16 @@ def test_the_lock_hashes_every_wheel_and_matches_pyprojects_pins(tmp_path: Path)
 
 
 def test_a_changed_pin_is_caught(tmp_path: Path) -> None:
-    py = tmp_path / "pyproject.toml"
-    py.write_text('[project]\ndependencies = ["pyyaml==6.0.3"]\n')
-    assert node_lock.pyproject_pins(py) == {"pyyaml": "6.0.3"} != {"pyyaml": next(iter(node_lock.lock_pins()["pyyaml"]))}
+    py, lock = tmp_path / "pyproject.toml", tmp_path / "constraints.txt"
     py.write_text('[project]\ndependencies = ["pyyaml>=6"]\n')
+    lock.write_text("pyyaml==6.0.3\n")
+    assert node_lock.pyproject_pins(py, lock) == {"pyyaml": "6.0.3"} != {"pyyaml": next(iter(node_lock.lock_pins()["pyyaml"]))}
+    lock.write_text("rich==13.0\n")
     with pytest.raises(ValueError, match="not pinned"):
-        node_lock.pyproject_pins(py)
+        node_lock.pyproject_pins(py, lock)
+    lock.write_text("pyyaml==5.4\n")
+    with pytest.raises(ValueError, match="outside pyproject.toml's range"):
+        node_lock.pyproject_pins(py, lock)
 
 
 def test_a_toolkit_change_replaces_the_blob_name_and_keeps_the_old_blob(plan: Plan, tmp_path: Path,

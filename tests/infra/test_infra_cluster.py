@@ -45,7 +45,7 @@ def role_id(guid: str) -> str:
 
 def ssh_rules(p: mockrun.PreviewResult) -> list[dict[str, Any]]:
     nsg = p.one(T + "network:NetworkSecurityGroup", "compute")
-    return [r for r in nsg.inputs["securityRules"] if r["direction"] == "Inbound" and "22" in r["destinationPortRanges"]]
+    return [r for r in nsg.inputs["securityRules"] if r["direction"] == "Inbound" and "22" in (r.get("destinationPortRanges") or [r.get("destinationPortRange")])]
 
 
 def public_ips(p: mockrun.PreviewResult) -> list[str]:
@@ -289,3 +289,15 @@ def test_no_secret_value_in_custom_data_outputs_or_plan_output(plan: Plan, mode:
         # The public SSH key is the one long base64 run allowed (public by design).
         leftover = text.replace(SSH_KEY.split()[1], "").replace(mockrun.PREVIEW_SSH_KEY.split()[1], "")
         assert keyish(leftover) == []
+
+
+def test_a100_nodes_register_with_their_own_generation_feature(plan: Plan) -> None:
+    """dev's ND A100 v4 nodes are no ndv5: a `--constraint=ndv5` job must not land on them."""
+    dev, prod = plan("dev"), plan("prod")
+    for p, feature, other in ((dev, "ndv4", "ndv5"), (prod, "ndv5", "ndv4")):
+        login, node = files_of(login_data(p)), files_of(custom_data(p))
+        conf = login["/etc/slurm/slurm.conf"]
+        assert f"NodeSet=gpunodes Feature={feature}" in conf.splitlines()
+        assert node["/etc/slurm/slurm.conf"] == conf
+        text = "\n".join(node.values())
+        assert f"Feature={feature}" in text and f"Feature={other}" not in text

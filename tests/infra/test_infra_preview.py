@@ -12,6 +12,8 @@ import pytest
 
 from tiered_ops import mockrun
 
+from .conftest import SSH_KEY
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,19 +24,21 @@ def test_preview_json_shows_nsg_ports_both_ways_and_the_scale_set_fabric_setting
     assert r.returncode == 0, r.stderr
     props = {x["name"]: x["properties"] for x in json.loads(r.stdout)["resources"]}
     amlfs_nsg, compute_nsg = props["tiered-net-amlfs-nsg"], props["tiered-net-compute-nsg"]
-    assert "(I100 Allow Tcp 10.42.4.0/22->10.42.0.0/24:988,1019-1023)" in amlfs_nsg
-    assert "(O100 Allow Tcp 10.42.0.0/24->10.42.4.0/22:988,1019-1023)" in amlfs_nsg
+    assert "(I111 Allow Tcp 10.42.4.0/22->10.42.0.0/24:988,1019-1023)" in amlfs_nsg
+    assert "(O108 Allow Tcp 10.42.0.0/24->10.42.4.0/22:988,1019-1023)" in amlfs_nsg
     assert "(I100 Allow Tcp 10.42.0.0/24->10.42.4.0/22:988,1019-1023)" in compute_nsg
     assert "(O100 Allow Tcp 10.42.4.0/22->10.42.0.0/24:988,1019-1023)" in compute_nsg
     assert "(I4000 Deny Tcp *->*:22)" in compute_nsg
     # The file system subnet: Microsoft's rule set, then deny everything else both ways.
-    for shown in ("deny-all-in(I4096 Deny * *->*:*)", "deny-all-out(O4096 Deny * *->*:*)",
-                  "https-out-to-azurecloud(O130 Allow Tcp 10.42.0.0/24->AzureCloud:443)", "ntp-out(O140 Allow Udp 10.42.0.0/24->*:123)"):
+    for shown in ("deny-all-in(I120 Deny * *->*:*)", "deny-all-out(O1010 Deny * *->*:*)",
+                  "https-out-to-storage(O103 Allow Tcp VirtualNetwork->Storage.EastUS:443)",
+                  "ntp-out-to-microsoft(O109 Allow Udp 10.42.0.0/24->168.61.215.74/32:123)"):
         assert shown in amlfs_nsg, shown
     assert "rootSquash=RootOnly" in props["tiered-amlfs-fs"]
     # SSH from the Bastion subnet only (plus the cluster's own subnet: login VM -> nodes).
     assert "ssh-in-from-bastion(I110 Allow Tcp 10.42.1.0/26->10.42.4.0/22:22)" in compute_nsg
     assert "cluster-in-within-compute(I120 Allow * 10.42.4.0/22->10.42.4.0/22:0-65535)" in compute_nsg
+    assert "deny-other-vnet-in(I4096 Deny * VirtualNetwork->*:*)" in compute_nsg
     assert "name=tckpt-prod-bastion  sku=Standard  nativeClient=True" in props["tiered-bastion-host"]
     assert "rbac=True  network=Deny  subnets=1" in props["tiered-gpu-vault"]
     assert "privateIp=10.42.4.4  allocation=Static  publicIp=False" in props["tiered-gpu-login-nic"]
@@ -99,3 +103,24 @@ def test_preview_json_has_structured_inputs_and_the_decoded_cloud_init_with_plac
     assert f"{labels['mgsAddress']['value']}@tcp:/lustrefs" in boot[0]
     assert "mgsAddress" in vmss["placeholders"] and "tiered-gpu-identity.clientId" in vmss["placeholders"]
     assert all(s["urn"].startswith("urn:pulumi:prod::") for s in doc["steps"])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("stack", "nodes"), [
+    ("dev", "tiered-gpu-vmss        scale set (ND nodes) Standard_ND96amsr_A100_v4    securityType=Standard  secureBoot=off  vTPM=off  lustreClient=dkms"),
+    ("prod", "tiered-gpu-vmss        scale set (ND nodes) Standard_ND96isr_H100_v5     securityType=TrustedLaunch  secureBoot=off  vTPM=on  lustreClient=dkms"),
+])
+def test_preview_shows_each_vms_security_type_secure_boot_and_lustre_client_path(stack: str, nodes: str,
+                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from tiered_ops import preview
+
+    assert preview.main(["--stack", stack, "--set", f"sshPublicKey={SSH_KEY}"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "per VM (security profile as sent; boot path that goes with it):" in lines
+    assert "  " + nodes in lines
+    assert ("  tiered-gpu-login       login VM             Standard_D8s_v5              securityType=TrustedLaunch  "
+            "secureBoot=off  vTPM=on  lustreClient=dkms") in lines
+    assert "MISMATCH" not in out
+    why = "NDm_A100_v4-series currently not supported" if stack == "dev" else "ND-family supported"
+    assert any(line.strip().startswith("why: Standard_ND96") and why in line for line in lines)

@@ -176,7 +176,7 @@ def test_network_lustre_ports_ssh_prefix_and_no_public_ip(plan: Plan, stack: str
 
     def allows(rules: list[dict], direction: str, src: str, dst: str, port: str) -> bool:
         return any(r["access"] == "Allow" and r["direction"] == direction and r["sourceAddressPrefix"] == src
-                   and r["destinationAddressPrefix"] == dst and port in r["destinationPortRanges"] for r in rules)
+                   and r["destinationAddressPrefix"] == dst and port in (r.get("destinationPortRanges") or [r.get("destinationPortRange")]) for r in rules)
 
     for port in ("988", "1019-1023"):
         assert allows(nsgs["amlfs"], "Inbound", compute_cidr, amlfs_cidr, port)
@@ -184,7 +184,7 @@ def test_network_lustre_ports_ssh_prefix_and_no_public_ip(plan: Plan, stack: str
         assert allows(nsgs["compute"], "Outbound", compute_cidr, amlfs_cidr, port)
         assert allows(nsgs["amlfs"], "Outbound", amlfs_cidr, compute_cidr, port)
     assert allows(nsgs["amlfs"], "Inbound", amlfs_cidr, amlfs_cidr, "*")     # any port within the subnet, SSH among them
-    ssh_in = [r for r in nsgs["compute"] if r["direction"] == "Inbound" and "22" in r["destinationPortRanges"]]
+    ssh_in = [r for r in nsgs["compute"] if r["direction"] == "Inbound" and "22" in (r.get("destinationPortRanges") or [r.get("destinationPortRange")])]
     allowed = [r for r in ssh_in if r["access"] == "Allow"]
     assert [r["sourceAddressPrefix"] for r in allowed] == ["203.0.113.0/24"]
     deny = [r for r in ssh_in if r["access"] == "Deny"]

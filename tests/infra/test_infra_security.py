@@ -11,6 +11,7 @@ import pytest
 from components.cluster import node_role_name
 from components.settings import load
 from components.tags import taggable
+from components.vm_security import vm_security
 from tiered_ops import mockrun
 
 from .conftest import SSH_KEY, Plan
@@ -31,11 +32,11 @@ def prod() -> mockrun.PreviewResult:
 
 DEFAULT_RULES = [   # Azure's default rules (Azure docs, "Network security groups: default security rules")
     {"priority": 65000, "direction": "Inbound", "access": "Allow", "protocol": "*", "sourceAddressPrefix": "VirtualNetwork",
-     "destinationAddressPrefix": "VirtualNetwork", "destinationPortRanges": ["*"]},
+     "destinationAddressPrefix": "VirtualNetwork", "destinationPortRange": "*"},
     {"priority": 65000, "direction": "Outbound", "access": "Allow", "protocol": "*", "sourceAddressPrefix": "VirtualNetwork",
-     "destinationAddressPrefix": "VirtualNetwork", "destinationPortRanges": ["*"]},
+     "destinationAddressPrefix": "VirtualNetwork", "destinationPortRange": "*"},
     {"priority": 65001, "direction": "Outbound", "access": "Allow", "protocol": "*", "sourceAddressPrefix": "*",
-     "destinationAddressPrefix": "Internet", "destinationPortRanges": ["*"]},
+     "destinationAddressPrefix": "Internet", "destinationPortRange": "*"},
 ]
 # What each test address counts as for service tags: the VNet plus a peered network (VirtualNetwork covers both).
 VNET_LIKE = [ipaddress.ip_network("10.42.0.0/16"), ipaddress.ip_network("192.168.0.0/16")]
@@ -45,13 +46,19 @@ def _addr_matches(prefix: str, addr: str) -> bool:
     if prefix == "*":
         return True
     if not re.fullmatch(r"[0-9./]+", addr):                 # the query names a service tag
-        return prefix == addr or (prefix == "Internet" and addr in ("AzureCloud", "AzureMonitor"))
+        return prefix in (addr, "Internet")                  # service tags name public Azure addresses
     ip = ipaddress.ip_address(addr)
     if prefix == "VirtualNetwork":
         return any(ip in n for n in VNET_LIKE)
     if prefix == "Internet":
         return not any(ip in n for n in VNET_LIKE)
     return re.fullmatch(r"[0-9./]+", prefix) is not None and ip in ipaddress.ip_network(prefix)
+
+
+def _ports(rule: dict) -> list[str]:
+    """A rule's destination ports: the single-value field or the list (ARM takes '*' only in the former)."""
+    single = rule.get("destinationPortRange")
+    return [single] if single else list(rule.get("destinationPortRanges") or [])
 
 
 def _port_matches(ranges: list[str], port: int) -> bool:
@@ -67,7 +74,7 @@ def _port_matches(ranges: list[str], port: int) -> bool:
 def verdict(rules: list[dict], direction: str, src: str, dst: str, port: int, protocol: str = "Tcp") -> str:
     for r in sorted([*rules, *DEFAULT_RULES], key=lambda r: r["priority"]):
         if (r["direction"] == direction and r["protocol"] in ("*", protocol) and _addr_matches(r["sourceAddressPrefix"], src)
-                and _addr_matches(r["destinationAddressPrefix"], dst) and _port_matches(r["destinationPortRanges"], port)):
+                and _addr_matches(r["destinationAddressPrefix"], dst) and _port_matches(_ports(r), port)):
             return str(r["access"])
     return "Deny"
 
@@ -78,15 +85,48 @@ def amlfs_nsg(p: mockrun.PreviewResult) -> list[dict]:
 
 def test_amlfs_nsg_ends_in_deny_all_both_ways_below_every_allow() -> None:
     rules = amlfs_nsg(prod())
-    for direction in ("Inbound", "Outbound"):
+    for direction, deny_all in (("Inbound", 120), ("Outbound", 1010)):
         mine = [r for r in rules if r["direction"] == direction]
-        deny = [r for r in mine if r["access"] == "Deny"]
-        assert len(deny) == 1, direction
-        d = deny[0]
-        assert (d["priority"], d["protocol"], d["sourceAddressPrefix"], d["destinationAddressPrefix"], d["destinationPortRanges"]) == \
-            (4096, "*", "*", "*", ["*"]), direction
+        d = next(r for r in mine if r["sourceAddressPrefix"] == "*" and r["destinationAddressPrefix"] == "*")
+        assert (d["priority"], d["access"], d["protocol"], _ports(d)) == (deny_all, "Deny", "*", ["*"]), direction
         assert all(r["priority"] < d["priority"] for r in mine if r is not d)
         assert len({r["priority"] for r in mine}) == len(mine)          # ARM rejects two rules of one priority
+
+
+# Microsoft's table, row by row (azure-stack-docs azure-managed-lustre/configure-network-security-group.md):
+# (direction, priority, ports, protocol, source, destination, action); AMLFS/CLIENT stand for the two subnets.
+MICROSOFT_AMLFS_TABLE = [
+    ("Inbound", 110, "*", "*", "AMLFS", "AMLFS", "Allow"),
+    ("Inbound", 111, "988,1019-1023", "Tcp", "CLIENT", "AMLFS", "Allow"),
+    ("Inbound", 112, "*", "Tcp", "AzureMonitor", "VirtualNetwork", "Allow"),
+    ("Inbound", 120, "*", "*", "*", "*", "Deny"),
+    ("Outbound", 100, "443", "Tcp", "VirtualNetwork", "AzureMonitor", "Allow"),
+    ("Outbound", 101, "443", "Tcp", "VirtualNetwork", "AzureKeyVault.{region}", "Allow"),
+    ("Outbound", 102, "443", "Tcp", "VirtualNetwork", "AzureActiveDirectory", "Allow"),
+    ("Outbound", 103, "443", "Tcp", "VirtualNetwork", "Storage.{region}", "Allow"),
+    ("Outbound", 104, "443", "Tcp", "VirtualNetwork", "GuestAndHybridManagement", "Allow"),
+    ("Outbound", 105, "443", "Tcp", "VirtualNetwork", "ApiManagement.{region}", "Allow"),
+    ("Outbound", 106, "443", "Tcp", "VirtualNetwork", "AzureDataLake", "Allow"),
+    ("Outbound", 107, "443", "Tcp", "VirtualNetwork", "AzureResourceManager", "Allow"),
+    ("Outbound", 108, "988,1019-1023", "Tcp", "AMLFS", "CLIENT", "Allow"),
+    ("Outbound", 109, "123", "Udp", "AMLFS", "168.61.215.74/32", "Allow"),
+    ("Outbound", 110, "443", "Tcp", "VirtualNetwork", "20.34.120.0/21", "Allow"),
+    ("Outbound", 111, "*", "*", "AMLFS", "AMLFS", "Allow"),
+    ("Outbound", 112, "443", "Tcp", "VirtualNetwork", "EventHub", "Allow"),
+    ("Outbound", 1000, "*", "*", "VirtualNetwork", "Internet", "Deny"),
+    ("Outbound", 1010, "*", "*", "*", "*", "Deny"),
+]
+
+
+@pytest.mark.parametrize(("location", "region"), [("eastus", "EastUS"), ("westeurope", "WestEurope"), ("southeastasia", "SoutheastAsia")])
+def test_amlfs_nsg_is_microsofts_table_verbatim_with_the_stacks_region(plan: Plan, location: str, region: str) -> None:
+    p = prod() if location == "eastus" else plan("prod", location=location)
+    subs = {"AMLFS": p.config["tiered:amlfsSubnetCidr"], "CLIENT": p.config["tiered:computeSubnetCidr"]}
+    got = sorted((r["direction"], r["priority"], ",".join(_ports(r)), r["protocol"], r["sourceAddressPrefix"],
+                  r["destinationAddressPrefix"], r["access"]) for r in amlfs_nsg(p))
+    want = sorted((d, pr, ports, proto, subs.get(src, src), subs.get(dst, dst).format(region=region), act)
+                  for d, pr, ports, proto, src, dst, act in MICROSOFT_AMLFS_TABLE)
+    assert got == want
 
 
 def test_amlfs_nsg_admits_exactly_microsofts_rule_set() -> None:
@@ -107,13 +147,42 @@ def test_amlfs_nsg_admits_exactly_microsofts_rule_set() -> None:
     for port in (988, 1021, 22):
         assert verdict(rules, "Inbound", "192.168.7.7", amlfs_host, port) == "Deny"
         assert verdict(rules, "Inbound", "10.42.1.5", amlfs_host, port) == "Deny"   # the Bastion subnet is no client
-    # Out: HTTPS to AzureCloud and AzureMonitor, NTP; nothing else to the internet or the VNet.
-    assert verdict(rules, "Outbound", amlfs_host, "AzureCloud", 443) == "Allow"
-    assert verdict(rules, "Outbound", amlfs_host, "AzureMonitor", 443) == "Allow"
-    assert verdict(rules, "Outbound", amlfs_host, "203.0.113.9", 123, protocol="Udp") == "Allow"
+    # Out: HTTPS to the table's service tags (regional ones in the stack's region), Microsoft's NTP server;
+    # nothing else to the internet (AzureCloud as a whole is not in the table) or the VNet.
+    for tag in ("AzureMonitor", "AzureKeyVault.EastUS", "Storage.EastUS", "ApiManagement.EastUS", "AzureResourceManager", "EventHub"):
+        assert verdict(rules, "Outbound", amlfs_host, tag, 443) == "Allow", tag
+    assert verdict(rules, "Outbound", amlfs_host, "Storage.WestEurope", 443) == "Deny"
+    assert verdict(rules, "Outbound", amlfs_host, "AzureCloud", 443) == "Deny"
+    assert verdict(rules, "Outbound", amlfs_host, "168.61.215.74", 123, protocol="Udp") == "Allow"
+    assert verdict(rules, "Outbound", amlfs_host, "203.0.113.9", 123, protocol="Udp") == "Deny"
     assert verdict(rules, "Outbound", amlfs_host, "203.0.113.9", 443) == "Deny"
-    assert verdict(rules, "Outbound", amlfs_host, "AzureCloud", 80) == "Deny"
+    assert verdict(rules, "Outbound", amlfs_host, "Storage.EastUS", 80) == "Deny"
     assert verdict(rules, "Outbound", amlfs_host, "192.168.7.7", 988) == "Deny"
+
+
+@pytest.mark.parametrize("stack", ["prod", "dev"])
+def test_no_nsg_rule_puts_an_asterisk_in_the_port_list(plan: Plan, stack: str) -> None:
+    """The Microsoft.Network spec takes '*' only in destinationPortRange (ARM: SecurityRuleInvalidPortRange)."""
+    p = prod() if stack == "prod" else plan(stack, access="public-ip", sshSourcePrefix="203.0.113.0/24")
+    for nsg in p.of_type(T + "network:NetworkSecurityGroup"):
+        for r in nsg.inputs["securityRules"]:
+            assert "*" not in (r.get("destinationPortRanges") or []), (nsg.name, r["name"])
+            assert bool(r.get("destinationPortRange")) != bool(r.get("destinationPortRanges")), (nsg.name, r["name"])
+
+
+def test_compute_subnet_admits_the_cluster_and_denies_other_virtual_network_sources() -> None:
+    rules = list(prod().one(T + "network:NetworkSecurityGroup", "compute-nsg").inputs["securityRules"])
+    node, login, amlfs_host, bastion, peered = "10.42.5.17", "10.42.4.4", "10.42.0.9", "10.42.1.5", "192.168.7.7"
+    for port in (6817, 6818, 29500, 41000):             # slurmctld, slurmd, torchrun, an srun/NCCL port
+        assert verdict(rules, "Inbound", login, node, port) == "Allow"
+        assert verdict(rules, "Inbound", node, login, port) == "Allow"
+        for outsider in (peered, bastion, "10.42.2.9"):  # peered/VPN, the Bastion subnet, elsewhere in the VNet
+            assert verdict(rules, "Inbound", outsider, node, port) == "Deny", (outsider, port)
+            assert verdict(rules, "Inbound", outsider, login, port) == "Deny", (outsider, port)
+    assert verdict(rules, "Inbound", amlfs_host, node, 988) == "Allow"      # Lustre callbacks
+    assert verdict(rules, "Inbound", amlfs_host, node, 6818) == "Deny"
+    assert verdict(rules, "Inbound", bastion, login, 22) == "Allow"         # the way in (access bastion)
+    assert verdict(rules, "Inbound", peered, login, 22) == "Deny"
 
 
 def _expand_nids(nids: str) -> set[str]:
@@ -160,19 +229,42 @@ def _security(p: mockrun.PreviewResult) -> tuple[dict | None, dict | None]:
     return vmss, login
 
 
-def test_trusted_launch_with_secure_boot_and_vtpm_on_nodes_and_login_vm_by_default() -> None:
-    trusted = {"securityType": "TrustedLaunch", "uefiSettings": {"secureBootEnabled": True, "vTpmEnabled": True}}
-    assert _security(prod()) == (trusted, trusted)
+TRUSTED_NO_SECURE_BOOT = {"securityType": "TrustedLaunch", "uefiSettings": {"secureBootEnabled": False, "vTpmEnabled": True}}
+STANDARD = {"securityType": "Standard"}
+
+
+def test_h100_nodes_and_the_login_vm_get_trusted_launch_with_vtpm_and_secure_boot_off() -> None:
+    # Secure Boot off: the Ubuntu-HPC image's NVIDIA, DOCA-OFED and Lustre modules are DKMS-built, unsigned.
+    assert _security(prod()) == (TRUSTED_NO_SECURE_BOOT, TRUSTED_NO_SECURE_BOOT)
     login = prod().one(T + "compute:VirtualMachine", "login")
     assert "securityProfile" in login.replace_on_changes       # a running VM cannot change its security type
 
 
-def test_trusted_launch_is_configurable_and_auto_skips_unknown_sizes(plan: Plan) -> None:
-    assert _security(plan("dev", trustedLaunch="off")) == (None, None)
-    vmss, login = _security(plan("dev", vmSize="Standard_ND40rs_v2", nodeEthernetGbps=24))
-    assert vmss is None and login is not None and login["securityType"] == "TrustedLaunch"
-    vmss, _ = _security(plan("dev", vmSize="Standard_ND40rs_v2", nodeEthernetGbps=24, trustedLaunch="on"))
-    assert vmss is not None and vmss["securityType"] == "TrustedLaunch"
+def test_auto_gives_the_a100_v4_nodes_an_explicit_standard_profile(plan: Plan) -> None:
+    # trusted-launch.md: NDm_A100_v4 (dev's Standard_ND96amsr_A100_v4) and NDasrA100_v4 "Currently not supported".
+    assert _security(plan("dev")) == (STANDARD, TRUSTED_NO_SECURE_BOOT)
+    asr = vm_security("Standard_ND96asr_v4", "auto")
+    assert (asr.security_type, asr.secure_boot, asr.lustre_client) == ("Standard", False, "dkms")
+
+
+def test_off_states_standard_on_every_vm_and_on_applies_to_sizes_the_table_does_not_refuse(plan: Plan) -> None:
+    assert _security(plan("prod", trustedLaunch="off")) == (STANDARD, STANDARD)
+    # A size the table does not know: auto keeps it Standard, on asks for Trusted Launch (the preflight
+    # checks ARM's TrustedLaunchDisabled for it at pulumi up); Secure Boot stays off either way.
+    unknown = "Standard_ND40rs_v2"
+    assert vm_security(unknown, "auto").security_type == "Standard"
+    on = vm_security(unknown, "on")
+    assert (on.security_type, on.secure_boot, on.vtpm) == ("TrustedLaunch", False, True)
+    assert on.boot_env() == {"TIERED_SECURE_BOOT": "false", "TIERED_LUSTRE_CLIENT": "dkms", "TIERED_SECURITY_TYPE": "TrustedLaunch"}
+
+
+def test_on_with_an_a100_v4_size_is_refused_before_anything_is_created(plan: Plan) -> None:
+    with pytest.raises(mockrun.PreviewError) as err:
+        plan("dev", trustedLaunch="on")
+    msg = str(err.value)
+    assert "tiered:trustedLaunch: 'on' asks for Trusted Launch on tiered:vmSize Standard_ND96amsr_A100_v4" in msg
+    assert "NDm_A100_v4-series currently not supported" in msg and "set tiered:trustedLaunch auto" in msg
+    assert "loginVmSize" not in msg                              # Standard_D8s_v5 supports it
 
 
 def test_custom_role_name_is_unique_per_subscription_and_stable() -> None:

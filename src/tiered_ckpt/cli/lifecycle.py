@@ -11,6 +11,7 @@ import threading
 
 from tiered_ckpt.cli import argtypes
 from tiered_ckpt.cli import timeline as timeline_commands
+from tiered_ckpt.cli.models import require_model
 from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progress_bars, stderr, stdout
 from tiered_ckpt.config import NodeConfig, format_duration, parse_duration
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
@@ -231,10 +232,12 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
     interval = parse_duration(args.interval, "--interval")
     if interval <= 0:
         raise ConfigError(f"--interval: {args.interval} must be more than 0 seconds, e.g. 5s")
-    ex = Exporter(cfg, status_path=args.export_status)
+    ex = Exporter(cfg, status_path=args.export_status, models=None if args.all_models else [cfg.model])
     # A mistyped root would otherwise export nothing, report success and write a status file
-    # beside a directory that does not exist.
+    # beside a directory that does not exist; a mistyped --model likewise.
     mf.require_root(cfg.root)
+    if not args.all_models:
+        require_model(cfg)
     ex.store.ensure_container()
 
     def show(it: Iteration) -> None:
@@ -253,7 +256,8 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
         show(it)
         return EXIT_OK if it.ok else EXIT_FAILED
     if not args.json:
-        stderr.print(f"local exporter (stand-in for AMLFS auto-export): {cfg.root} -> {ex.store.where}, "
+        what = cfg.root if args.all_models else f"{cfg.root}/{cfg.model}"
+        stderr.print(f"local exporter (stand-in for AMLFS auto-export): {what} -> {ex.store.where}, "
                      f"every {interval:g}s; Ctrl-C to stop")
     ex.watch(interval, threading.Event(), on_iteration=show)
     return EXIT_OK
@@ -319,11 +323,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     p = sub.add_parser("export", parents=[parent],
                        help="local stand-in for AMLFS auto-export: copy new/changed files to Blob in iterations",
                        description="The local stand-in for AMLFS auto-export: copies new and changed files (committed or "
-                                   "not) under the root to the archive container under the same relative path, in "
-                                   "iterations; never deletes blobs.")
+                                   "not) of the model (--model; --all-models: everything under the root, as AMLFS does) "
+                                   "to the archive container under the same relative path, in iterations; never "
+                                   "deletes blobs, and never uploads again a file a restore brought back unchanged.")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--once", action="store_true", help="run one iteration and exit (default)")
     g.add_argument("--watch", action="store_true", help="iterate until Ctrl-C / SIGTERM")
     p.add_argument("--interval", default="5s", metavar="DURATION", help="time between iteration starts (default: 5s)")
     p.add_argument("--export-status", metavar="PATH", help="status file (default: next to the root, outside the exported tree)")
+    p.add_argument("--all-models", action="store_true", help="export every model under the root, as AMLFS auto-export does")
     p.set_defaults(handler=cmd_export)
