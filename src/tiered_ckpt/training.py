@@ -205,7 +205,9 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     reader = TieredReader(cfg.root, cfg.model, name=name, config=cfg,
                           verify_hash=verify_hash)
     state = _states(model, optimizer)
-    # Which entries the checkpoint holds (DCP's metadata; read without hashing: dcp.load verifies).
+    # Which entries the checkpoint holds: DCP's metadata, its bytes checked against the marker before
+    # they are unpickled. A reader without verify_hash: dcp.load verifies the data files (inside it a
+    # mismatch on one rank fails every rank; here it would leave the others waiting).
     keys = set(TieredReader(cfg.root, cfg.model, name=reader.cid.name, config=cfg).checked_metadata().state_dict_metadata)
     rank, _ = _rank_world()
     own = next((k for k in (_PER_RANK.format(rank=rank), _PER_RANK.format(rank=0)) if k in keys), None)
