@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     if choice[0] is not None:
         msd, osd = get_state_dict(model, optim)
         state: dict[str, Any] = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=TieredReader(config=cfg, name=choice[0]), process_group=ckpt_pg)
+        # verify_hash: every byte hashed against the marker (the metadata always is): a bit flip or a
+        # swapped shard is refused, not trained on.
+        dcp.load(state, storage_reader=TieredReader(config=cfg, name=choice[0], verify_hash=True),
+                 process_group=ckpt_pg)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = require_name(choice[0], cfg.naming).step
         log(rank, "resumed", step=start, name=choice[0])

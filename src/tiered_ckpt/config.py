@@ -17,6 +17,7 @@ import difflib
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from functools import cache
@@ -481,6 +482,50 @@ def config_path(explicit: str | None) -> Path | None:
     return default if default.exists() else None
 
 
+# A node config is a few KiB; anything much larger is not one (and /dev/zero never ends).
+CONFIG_LIMIT = 1 << 20
+
+
+def _read_config(path: Path) -> bytes:
+    """The config file's bytes: a regular file (or /dev/null: no settings) of at most CONFIG_LIMIT
+    bytes. Opened non-blocking, so a FIFO given as the config is refused instead of waiting for a
+    writer (fifo(7)); a device other than /dev/null is refused before it is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(path)
+        if not stat.S_ISREG(st.st_mode):
+            null = os.stat(os.devnull)
+            if (st.st_dev, st.st_ino) == (null.st_dev, null.st_ino):
+                return b""
+            what = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+            raise ConfigError(f"config file {path} is {what}, not a file; pass the YAML file itself (--config PATH)")
+        os.set_blocking(fd, True)
+        chunks, total = [], 0
+        while b := os.read(fd, 1 << 16):
+            total += len(b)
+            if total > CONFIG_LIMIT:
+                raise ConfigError(f"config file {path} is larger than {CONFIG_LIMIT >> 20} MiB, which no node config "
+                                  "is; pass the node config's YAML file (--config PATH)")
+            chunks.append(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load without aliases: a few nested aliases expand to billions of nodes ("billion
+    laughs") when the config is walked, and a node config never needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            ev = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted in the node config; "
+                                              "write the value out", ev.start_mark)
+        return super().compose_node(parent, index)
+
+
 def load(explicit: str | None = None) -> NodeConfig:
     """Load and validate the node config; defaults alone when no file is found."""
     path = config_path(explicit)
@@ -489,7 +534,7 @@ def load(explicit: str | None = None) -> NodeConfig:
         validate(cfg)
         return cfg
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        data = yaml.load(_read_config(path).decode("utf-8"), Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found; pass --config PATH or set {ENV_VAR}") from None
     except UnicodeDecodeError as e:
@@ -509,6 +554,7 @@ def load(explicit: str | None = None) -> NodeConfig:
     return replace(checked, source=str(path), given=_given(data))
 
 
+@cache          # help texts ask for every flag's setting on every parser build
 def _field_hint(key: str) -> Any:
     cls: Any = NodeConfig
     hint: Any = None

@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_ckpt import dcp_stage, records
+from tiered_ckpt import dcp_pickle, dcp_stage, records
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.config import load as load_config
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
@@ -97,7 +97,7 @@ from tiered_ckpt.naming import SCHEMES, CheckpointId, make_id, parse_name, requi
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METADATA", "RAW", "TieredReader", "TieredWriter", "is_dcp_checkpoint", "metadata_name"]
+__all__ = ["DIGEST", "METADATA", "RAW", "TieredReader", "TieredWriter", "is_dcp_checkpoint", "metadata_name"]
 
 METADATA = "dcp.{sid}.metadata"
 # The transform descriptor of a tensor item stored as its raw bytes (dtype and shape are in DCP's
@@ -105,6 +105,11 @@ METADATA = "dcp.{sid}.metadata"
 # makes it stop with "Unknown extension name='tiered_ckpt.raw'" instead of misreading the bytes
 # (docs/training.md: `tiered-ckpt convert NAME --to dcp DIR` writes a stock directory).
 RAW = "tiered_ckpt.raw/1"
+# The transform descriptor of a non-tensor (BYTE_IO) item: DIGEST + the xxh3-128 of its bytes, which
+# the reader checks before DCP's planner torch.load()s them (dcp_pickle). A plain string in DCP's
+# own `_StorageInfo`, so the metadata still unpickles without this package; FileSystemReader stops
+# at it with "Unknown extension name='tiered_ckpt.xxh3'", as at RAW (convert drops both).
+DIGEST = "tiered_ckpt.xxh3/"
 # DCP's metadata format version, as FileSystemWriter stamps it (filesystem.CURRENT_DCP_VERSION).
 DCP_VERSION = "1.0.0"
 # A WriteResult that carries a rank's file entries to the coordinator; never part of the metadata.
@@ -132,15 +137,21 @@ class _Stored:
     dtype: str | None = None                 # tensors: raw bytes of this dtype and shape
     shape: tuple[int, ...] | None = None
     encoded: bool = False                    # a tensor as torch.save bytes (stock DCP's format)
+    # BYTE_IO items: xxh3-128 of the item's bytes, checked before DCP's planner unpickles them
+    # (dcp_pickle); None in checkpoints saved before it was recorded (then the whole file is hashed).
+    hash: str | None = None
 
 
-def _info(relative_path: str, offset: int, length: int, raw: bool) -> _StorageInfo:
-    return _StorageInfo(relative_path, offset, length, [RAW] if raw else None)
+def _info(relative_path: str, offset: int, length: int, raw: bool, digest: str | None = None) -> _StorageInfo:
+    """DCP's own location record: RAW for a raw tensor, the DIGEST tag for a non-tensor item."""
+    descriptors = [RAW] if raw else [DIGEST + digest] if digest is not None else None
+    return _StorageInfo(relative_path, offset, length, descriptors)
 
 
 def _locations(md: Metadata) -> dict[MetadataIndex, _Stored]:
     """storage_data as _Stored entries: DCP `_StorageInfo` (raw tensors carry RAW; tensors without
-    it are torch.save bytes, as FileSystemWriter writes them) or a format-1 `_Stored`."""
+    it are torch.save bytes, as FileSystemWriter writes them; a non-tensor item's DIGEST tag becomes
+    `_Stored.hash`) or a format-1 `_Stored`."""
     out: dict[MetadataIndex, _Stored] = {}
     chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}     # fqn -> chunk offsets -> sizes
     for index, sd in (md.storage_data or {}).items():
@@ -150,6 +161,10 @@ def _locations(md: Metadata) -> dict[MetadataIndex, _Stored]:
         if not isinstance(sd, _StorageInfo):
             continue              # reported per item by _read: no valid location
         descriptors = list(getattr(sd, "transform_descriptors", None) or ())
+        tags = [d for d in descriptors if isinstance(d, str) and d.startswith(DIGEST)]
+        digest = tags[0].removeprefix(DIGEST) if len(tags) == 1 else None
+        if tags:
+            descriptors = [d for d in descriptors if d not in tags]
         tmd = md.state_dict_metadata.get(index.fqn)
         if descriptors == [RAW] and isinstance(tmd, TensorStorageMetadata):
             by_offset = chunks.get(index.fqn)
@@ -161,7 +176,8 @@ def _locations(md: Metadata) -> dict[MetadataIndex, _Stored]:
             out[index] = _Stored(sd.relative_path, sd.offset, sd.length, str(tmd.properties.dtype).removeprefix("torch."),
                                  sizes)
         elif not descriptors:
-            out[index] = _Stored(sd.relative_path, sd.offset, sd.length, encoded=isinstance(tmd, TensorStorageMetadata))
+            out[index] = _Stored(sd.relative_path, sd.offset, sd.length, encoded=isinstance(tmd, TensorStorageMetadata),
+                                 hash=digest)
     return out
 
 
@@ -504,29 +520,32 @@ class TieredWriter(StorageWriter):
         # Its own id: the plan's storage_data may be a cached plan's (prepare_global_plan says why).
         sid = new_save_id()
         sources: list[Source] = []
-        metas: list[tuple[Any, str | None, tuple[int, ...] | None]] = []
+        metas: list[tuple[Any, str | None, tuple[int, ...] | None, str | None]] = []
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 assert isinstance(data, io.BytesIO)
-                sources.append(to_source(item.index.fqn or "-", data.getbuffer()))
-                metas.append((item.index, None, None))
+                buf = data.getbuffer()
+                h = new_hasher()
+                h.update(buf)
+                sources.append(to_source(item.index.fqn or "-", buf))
+                metas.append((item.index, None, None, h.hexdigest()))
             else:
                 assert isinstance(data, torch.Tensor)
                 t = data.detach()
                 if type(t) is not torch.Tensor:
                     # A tensor subclass (no plain storage of its own): torch.save bytes, as
                     # FileSystemWriter writes every tensor; read back with torch.load(weights_only).
-                    buf = io.BytesIO()
-                    torch.save(t, buf)
-                    sources.append(to_source(item.index.fqn or "-", buf.getbuffer()))
-                    metas.append((item.index, None, None))
+                    enc = io.BytesIO()
+                    torch.save(t, enc)
+                    sources.append(to_source(item.index.fqn or "-", enc.getbuffer()))
+                    metas.append((item.index, None, None, None))
                     continue
                 read.append(t.data_ptr())
                 if not t.is_contiguous():
                     t = t.contiguous()
                 sources.append(to_source(item.index.fqn or "-", t))
-                metas.append((item.index, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+                metas.append((item.index, str(t.dtype).removeprefix("torch."), tuple(t.shape), None))
         files, where = _layout(sources, rank, sid, self.opts)
         dfd = self._dfd if self._dfd is not None else fsafe.open_dir(self.path, anchor=self.root)
         try:
@@ -543,9 +562,9 @@ class TieredWriter(StorageWriter):
             if dfd != self._dfd:
                 os.close(dfd)
         results: list[WriteResult] = []
-        for (index, dtype, _shape), src, (fname, off) in zip(metas, sources, where, strict=True):
+        for (index, dtype, _shape, digest), src, (fname, off) in zip(metas, sources, where, strict=True):
             results.append(WriteResult(index=index, size_in_bytes=src.nbytes,
-                                       storage_data=_info(fname, off, src.nbytes, raw=dtype is not None)))
+                                       storage_data=_info(fname, off, src.nbytes, raw=dtype is not None, digest=digest)))
         results.append(WriteResult(index=MetadataIndex(_FILES_FQN), size_in_bytes=0, storage_data=entries))
         return results
 
@@ -631,10 +650,13 @@ class TieredReader(StorageReader):
     """A DCP StorageReader of a committed checkpoint: refuses one without a valid marker.
 
     The marker and the sizes of every file are checked inside `dcp.load` (read_metadata, on
-    every rank; `manifest` or `checked_metadata()` check them outside it); with
-    `verify_hash=True` every file's xxh3-128 too (shared among the ranks). Which checkpoint:
-    root/model with name= or epoch=/step=, or checkpoint_id='<root>/<model>/<name>' (here or
-    through dcp.load(checkpoint_id=...), see parse_checkpoint_id).
+    every rank; `manifest` or `checked_metadata()` check them outside it). Whatever is unpickled
+    is hashed first, always, by the rank that unpickles it: DCP's metadata against the marker
+    (then unpickled with an allow-list, dcp_pickle) and each non-tensor item against the digest
+    the metadata records for it (DIGEST). With `verify_hash=True` every data file's xxh3-128 too
+    (shared among the ranks). Which checkpoint: root/model with name= or epoch=/step=, or
+    checkpoint_id='<root>/<model>/<name>' (here or through dcp.load(checkpoint_id=...), see
+    parse_checkpoint_id).
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, model: str | None = None, *,
@@ -656,6 +678,8 @@ class TieredReader(StorageReader):
         self.storage_data: dict[MetadataIndex, _Stored] = {}
         self._manifest: mf.Manifest | None = None
         self._deferred: BaseException | None = None
+        self._metadata: Metadata | None = None      # checked_metadata(), once per checkpoint
+        self._hashed: set[str] = set()          # files hashed whole by this reader (old BYTE_IO items)
 
     @property
     def path(self) -> Path:
@@ -698,6 +722,8 @@ class TieredReader(StorageReader):
             self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
             self._bound = True
             self._manifest = None
+            self._metadata = None
+            self._hashed = set()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata. Inside dcp.load a checkpoint that cannot be loaded surfaces from
@@ -710,18 +736,33 @@ class TieredReader(StorageReader):
             return Metadata(state_dict_metadata={}, storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id))
 
     def checked_metadata(self) -> Metadata:
-        """DCP's metadata of the committed checkpoint, or the reason it cannot be loaded (raised)."""
+        """DCP's metadata of the committed checkpoint, or the reason it cannot be loaded (raised).
+
+        Read once per checkpoint: the marker and sizes checked (with verify_hash, this rank's share
+        of the data files hashed), then the metadata's bytes hashed against the marker on every
+        rank before they are unpickled, with an allow-list (dcp_pickle)."""
+        if self._metadata is not None:
+            return self._metadata
         m = self.manifest
         if self.verify_hash:
             self._verify_hashes(m)
         assert m.save_id is not None
         name = metadata_name(m.save_id)
-        data = fsafe.read_file(self.path / name, anchor=self.root)
-        md = pickle.loads(data)   # noqa: S301 - DCP's own format is a pickle; its bytes match the marker's size
-        if not isinstance(md, Metadata):
-            raise IntegrityError(f"{self.path / name} is not DCP metadata; restore the checkpoint from the archive")
+        entry = m.by_path[name]
+        path = self.path / name
+        try:
+            data = fsafe.read_file(path, anchor=self.root, limit=entry.size)
+        except OSError as e:
+            raise IntegrityError(f"{path}: cannot read DCP metadata ({e.strerror or e}); "
+                                 "restore the checkpoint from the archive (tiered-ckpt restore)") from None
+        if len(data) != entry.size:
+            raise IntegrityError(f"{path}: DCP metadata is {len(data)} bytes, the marker lists {entry.size}; "
+                                 "restore the checkpoint from the archive (tiered-ckpt restore)")
+        dcp_pickle.check_hash(data, entry.hash, path, "DCP metadata")
+        md = dcp_pickle.load_metadata(data, path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
+        self._metadata = md
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -757,13 +798,31 @@ class TieredReader(StorageReader):
         import torch.distributed as dist
 
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        meta = metadata_name(m.save_id) if m.save_id is not None else None
         for i, f in enumerate(m.files):
-            if i % world != rank or f.hash is None:
+            if i % world != rank or f.hash is None or f.path == meta:   # metadata: every rank, checked_metadata()
                 continue
             got = hash_path(str(self.path / f.path), anchor=self.root)
             if got != f.hash:
                 raise IntegrityError(f"{self.path / f.path}: content hash {got} does not match the marker's {f.hash}; "
                                      "restore the checkpoint from the archive (tiered-ckpt restore)")
+
+    def _check_item(self, info: _Stored, view: memoryview, fqn: str) -> None:
+        """A non-tensor item's bytes against the hash the (verified) metadata records; a checkpoint
+        saved before items were hashed: its whole file against the marker, once per reader."""
+        digest = getattr(info, "hash", None)
+        if digest is not None:
+            dcp_pickle.check_hash(view, digest, self.path / info.relative_path, f"item {fqn!r}")
+            return
+        if info.relative_path in self._hashed:
+            return
+        entry = self.manifest.by_path[info.relative_path]
+        got = hash_path(str(self.path / info.relative_path), anchor=self.root)
+        if entry.hash is None or got != entry.hash:
+            raise IntegrityError(f"{self.path / info.relative_path}: content hash {got} does not match the marker's "
+                                 f"{entry.hash} (it holds item {fqn!r}, which was not unpickled); restore the "
+                                 "checkpoint from the archive (tiered-ckpt restore)")
+        self._hashed.add(info.relative_path)
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Every requested byte range read by several threads straight into its destination
@@ -798,6 +857,8 @@ class TieredReader(StorageReader):
             raise IntegrityError("; ".join(problems) + "; restore the checkpoint from the archive (tiered-ckpt restore)")
         for req, info, dest, view, part in items:
             if req.type == LoadItemType.BYTE_IO:
+                # DCP's planner torch.load()s these bytes (weights_only=False): hashed first.
+                self._check_item(info, view, req.storage_index.fqn)
                 planner.load_bytes(req, io.BytesIO(view.tobytes()))
                 continue
             if dest is not None:

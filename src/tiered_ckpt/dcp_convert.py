@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta, Te
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from tiered_ckpt import dcp_pickle
 from tiered_ckpt.dcp import DCP_VERSION, TieredReader, TieredWriter, _locations
 from tiered_ckpt.errors import IntegrityError, UserError
 from tiered_ckpt.io import fsafe
@@ -79,6 +80,9 @@ def to_dcp(reader: TieredReader, dest: str | os.PathLike[str], progress: Progres
             if len(data) != loc.length:
                 raise IntegrityError(f"{reader.path / loc.relative_path}: {loc.length} bytes expected at offset "
                                      f"{loc.offset}, {len(data)} there; restore the checkpoint (tiered-ckpt restore)")
+            if loc.hash is not None:
+                # A non-tensor item (a stock reader torch.load()s it): its digest checked here too.
+                dcp_pickle.check_hash(data, loc.hash, reader.path / loc.relative_path, f"item {index.fqn!r}")
             if loc.dtype is not None and isinstance(md.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
                 assert loc.shape is not None
                 t = torch.frombuffer(bytearray(data), dtype=getattr(torch, loc.dtype)) if loc.length else \

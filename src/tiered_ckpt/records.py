@@ -15,6 +15,7 @@ one is dropped), so a node that saves for months keeps at most twice that.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -24,12 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiered_ckpt.io import fsafe
+
 log = logging.getLogger(__name__)
 
 SAVE, ASYNC_SAVE, RETENTION, RESTORE = "save", "async_save", "retention", "restore"
 KINDS = (SAVE, ASYNC_SAVE, RETENTION, RESTORE)
 HISTORY, HISTORY_OLD = "history.jsonl", "history.1.jsonl"
 HISTORY_LIMIT = 8 << 20     # bytes; a save's line is ~200 bytes, so tens of thousands of operations
+LOCK_WAIT = 5.0             # seconds a writer waits for a records lock before it skips its record
 
 
 def records_dir(root: str | os.PathLike[str], model: str) -> Path:
@@ -60,14 +64,20 @@ def _read_regular(p: Path, limit: int) -> bytes | None:
 
 def read(root: str | os.PathLike[str], model: str, kind: str) -> dict[str, Any] | None:
     """The last record of `kind`, or None (none yet, or unreadable: metrics then leave it out)."""
+    got, _ = read_checked(root, model, kind)
+    return got
+
+
+def read_checked(root: str | os.PathLike[str], model: str, kind: str) -> tuple[dict[str, Any] | None, bool]:
+    """(the last record of `kind` or None, whether a file is there that is not a record)."""
     data = _read_regular(records_dir(root, model) / f"{kind}.json", 1 << 20)
     if data is None:
-        return None
+        return None, False
     try:
         got = json.loads(data)
     except ValueError:
-        return None
-    return got if isinstance(got, dict) else None
+        return None, True
+    return (got, False) if isinstance(got, dict) else (None, True)
 
 
 def record(root: str | os.PathLike[str], model: str, kind: str, fields: dict[str, Any],
@@ -78,22 +88,18 @@ def record(root: str | os.PathLike[str], model: str, kind: str, fields: dict[str
     d = records_dir(root, model)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        lock = os.open(d / f".{kind}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o664)
+        # Every file here is opened through fsafe.open_own: a FIFO, symlink or hard link planted
+        # at one of these names is replaced, never opened (a FIFO would hang the save after its commit).
+        lock = fsafe.open_own(d / f".{kind}.lock", os.O_RDWR, fsafe.LOCK_MODE)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            _flock(lock, d / f".{kind}.lock")
             old = read(root, model, kind) or {}
             sums = dict(old.get("totals") or {})
             for k, v in (totals or {}).items():
                 sums[k] = float(sums.get(k, 0)) + float(v)
             now = time.time()
             body = json.dumps({**fields, "time_unix": now, "totals": sums}, sort_keys=True).encode()
-            tmp = d / f".{kind}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o664)
-            try:
-                os.write(fd, body)
-            finally:
-                os.close(fd)
-            os.replace(tmp, d / f"{kind}.json")
+            fsafe.replace_own(d / f"{kind}.json", body, 0o664, planted_ok=True)
         finally:
             os.close(lock)
         _append_history(d, {**fields, "kind": kind, "time_unix": now})
@@ -101,25 +107,40 @@ def record(root: str | os.PathLike[str], model: str, kind: str, fields: dict[str
         log.warning("could not record the %s of model %s under %s: %s", kind, model, d, e)
 
 
+def _flock(fd: int, path: Path) -> None:
+    """The records lock, waited for at most LOCK_WAIT seconds: a writer stopped while holding it
+    (SIGSTOP, a hung file system) costs the others one record, never their save, restore or
+    retention run (recording is best effort)."""
+    deadline = time.monotonic() + LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(errno.ETIMEDOUT, f"held by another process for over {LOCK_WAIT:g} s", str(path)) from None
+            time.sleep(0.02)
+
+
 def _append_history(d: Path, entry: dict[str, Any]) -> None:
     line = json.dumps(entry, sort_keys=True).encode() + b"\n"
-    lock = os.open(d / ".history.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o664)
+    lock = fsafe.open_own(d / ".history.lock", os.O_RDWR, fsafe.LOCK_MODE)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)      # one writer at a time: lines never interleave, rotation is safe
+        _flock(lock, d / ".history.lock")   # one writer at a time: lines never interleave, rotation is safe
         p = d / HISTORY
         try:
             if os.lstat(p).st_size + len(line) > HISTORY_LIMIT:
                 os.replace(p, d / HISTORY_OLD)
         except FileNotFoundError:
             pass
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o664)
+        fd = fsafe.open_own(p, os.O_RDWR | os.O_APPEND, 0o664)
         try:
             size = os.fstat(fd).st_size
             # A writer killed mid-line left no newline: start a new line, or this record would be
             # glued to the torn one and be unreadable too.
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 line = b"\n" + line
-            os.write(fd, line)
+            fsafe.write_all(fd, line)
         finally:
             os.close(fd)
     finally:

@@ -244,7 +244,9 @@ def _load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
                new_rank_extras: str) -> TrainingState:
     """dcp.load of one checkpoint into the model/optimizer/scheduler in place; this rank's extras."""
     state = _states(model, optimizer)
-    # Which entries the checkpoint holds (DCP's metadata; read without hashing: dcp.load verifies).
+    # Which entries the checkpoint holds: DCP's metadata, its bytes checked against the marker before
+    # they are unpickled. A reader without verify_hash: dcp.load verifies the data files (inside it a
+    # mismatch on one rank fails every rank; here it would leave the others waiting).
     keys = set(TieredReader(reader.root, reader.model, name=reader.cid.name, config=cfg).checked_metadata().state_dict_metadata)
     rank, _ = _rank_world()
     own = next((k for k in (_PER_RANK.format(rank=rank), _PER_RANK.format(rank=0)) if k in keys), None)

@@ -132,3 +132,56 @@ def test_bad_metrics_settings_are_named(tmp_path: Path, capsys) -> None:
     assert cli.main(["metrics", "--config", str(conf)]) != 0
     err = capsys.readouterr().err
     assert "metrics.port: 70000" in err and "metrics.textfile" in err and ".prom" in err
+
+
+def _serve(conf: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tiered_ckpt.cli.app", "metrics", "--config", str(conf), "--serve",
+                             "--port", "0", "--json"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    text = ""
+    while True:                                  # --json prints one (indented) object
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        text += line
+        try:
+            return proc, json.loads(text)["serving"]
+        except ValueError:
+            pass
+
+
+@pytest.mark.timeout(120)
+def test_malformed_records_are_counted_and_concurrent_scrapes_share_one_collection(tmp_path: Path) -> None:
+    """A hand-edited or planted record never fails a scrape; 24 scrapers at once all get 200 and
+    cost the server one collection of the tiers (a few at most), not 24."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiered_ckpt import records
+    root = tmp_path / "lustre"
+    root.mkdir()
+    tc.save({"w": os.urandom(1000)}, root=root, model="m", epoch=0, step=1)
+    d = records.records_dir(root, "m")
+    (d / "save.json").write_text('{"seconds": "fast", "bytes": 1000, "time_unix": 1}')   # not a number
+    (d / "retention.json").write_text("[1, 2]")                                          # not a record
+    (d / "restore.json").write_text('{"by_path": {"download": {"seconds": 2, "bytes": 7}}, "time_unix": 1}')
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"root: {root}\nmodel: m\nbackend: local\n")
+    proc, url = _serve(conf)
+    try:
+        def scrape(_: int) -> tuple[int, str]:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                return r.status, r.read().decode()
+        with ThreadPoolExecutor(24) as pool:
+            got = list(pool.map(scrape, range(24)))
+        assert [s for s, _ in got] == [200] * 24
+        for _, text in got:
+            m = parse(text)
+            assert value(m, "malformed_records", kind="save") == 1
+            assert value(m, "malformed_records", kind="retention") == 1
+            assert value(m, "malformed_records", kind="restore") == 0
+            assert value(m, "save_seconds") is None and value(m, "save_bytes") is None    # left out whole
+            assert value(m, "restore_bytes", path="download") == 7                       # the good one stays
+            assert value(m, "newest_committed_step") == 1
+        assert max(value(parse(t), "collections_total") or 0 for _, t in got) <= 3
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -48,7 +48,8 @@ def test_healthy_is_exit_0_with_every_part_checked(local: NodeConfig, tmp_path: 
     rc, st = status(local, tmp_path, capsys, "--json")
     assert rc == EXIT_OK and st["health"] == "healthy" and st["ok"] and st["exit_code"] == 0
     assert {p: s for p, (s, _) in checks(st).items()} == {
-        "markers": "ok", "archive": "ok", "backlog": "ok", "export": "ok", "capacity": "ok"}
+        "markers": "ok", "archive": "ok", "backlog": "ok", "export": "ok", "capacity": "ok", "locking": "ok",
+        "records": "ok"}
     assert st["backlog"]["files"] == 0
     rc, text = status(local, tmp_path, capsys)
     assert rc == EXIT_OK and "export backlog: 0 files" in text and "health: healthy (exit 0)" in text

@@ -102,6 +102,11 @@ def cmd_bench(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     if args.name and not args.keep:
         raise UserError("--name only applies with --keep (without it the benchmark checkpoint is deleted)")
     mf.require_root(root, "--dir")
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    if size > free:     # it would fail with ENOSPC after filling the file system, or never end
+        raise UserError(f"--size {args.size}: more than the free space of {root} ({human_bytes(free)}); "
+                        "pick a smaller --size or another --dir")
     cid = require_name(args.name) if args.name else CheckpointId(0, 1)
     base, run = _bench_scratch(root)
     try:

@@ -10,6 +10,7 @@ import logging
 import threading
 from dataclasses import asdict
 
+from tiered_ckpt.cli import argtypes
 from tiered_ckpt.cli import timeline as timeline_commands
 from tiered_ckpt.cli.models import require_model
 from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progress_bars, stderr, stdout
@@ -142,7 +143,14 @@ def cmd_metrics(args: argparse.Namespace, cfg: NodeConfig) -> int:
             server.shutdown()
         return EXIT_OK
     if textfile:
-        metrics.write_textfile(cfg, backend, textfile)
+        from tiered_ckpt.io.fsafe import UnsafePath
+
+        try:
+            metrics.write_textfile(cfg, backend, textfile)
+        except UnsafePath as e:
+            raise ConfigError(f"--textfile / metrics.textfile: {textfile} is {(e.strerror or 'not a regular file').split(',')[0]}, not a file this "
+                              "command may replace; point it at a .prom file, e.g. "
+                              "/var/lib/node_exporter/textfile_collector/tiered_ckpt.prom") from None
         if args.json:
             print_json({"ok": True, "textfile": textfile})
         else:
@@ -314,8 +322,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
                                    "atomically as a node-exporter textfile (--textfile, metrics.textfile), or served "
                                    "over HTTP (--serve).")
     p.add_argument("--textfile", metavar="PATH", help="write this .prom file (default: {config:metrics.textfile})")
-    p.add_argument("--serve", action="store_true", help="serve /metrics until Ctrl-C (collected afresh on each scrape)")
-    p.add_argument("--port", type=int, metavar="N", help="port for --serve (default: {config:metrics.port})")
+    p.add_argument("--serve", action="store_true", help="serve /metrics until Ctrl-C (scrapes within 5 s share one collection)")
+    p.add_argument("--port", type=argtypes.port, metavar="N", help="port for --serve (default: {config:metrics.port})")
     p.add_argument("--addr", metavar="ADDR", help="address for --serve (default: {config:metrics.addr})")
     p.set_defaults(handler=cmd_metrics)
 

@@ -7,6 +7,7 @@ line naming the extra that brings it (`pip install 'tiered-ckpt[timeline]'`).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
@@ -16,9 +17,11 @@ from pathlib import Path
 
 from rich.table import Table
 
+from tiered_ckpt.cli import argtypes
 from tiered_ckpt.cli.output import human_bytes, print_json, print_table, redact, redact_data, stderr, stdout
 from tiered_ckpt.config import NodeConfig, parse_duration
 from tiered_ckpt.errors import EXIT_OK, ConfigError, UserError
+from tiered_ckpt.io import fsafe
 from tiered_ckpt.lifecycle import timeline as tl_mod
 from tiered_ckpt.lifecycle.timeline import ARCHIVE, PENDING, RESTORE, RETENTION, WRITE, Timeline
 from tiered_ckpt.tiers.backends import make_backend
@@ -76,6 +79,11 @@ COLUMNS = ("checkpoint", "now", "write + commit", "proven archived", "last reten
 def draw(tl: Timeline, path: str | Path, title: str | None = None,
          markers: Sequence[tuple[float, str]] = ()) -> Path:
     """The timeline as a PNG: one lane per checkpoint; `markers`: (unix time, label) vertical lines."""
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise UserError(f"--out {path}: the timeline is drawn as a PNG; give a file name ending in .png")
+    if out.is_dir() or (out.exists() and not out.is_file()):
+        raise UserError(f"--out {path}: is not a regular file (a directory, FIFO or device); give a .png file's path")
     try:
         import matplotlib
     except ImportError:
@@ -133,17 +141,20 @@ def draw(tl: Timeline, path: str | Path, title: str | None = None,
     ax.legend(handles=legend, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole and renamed into place; whatever was planted at the name meanwhile is refused.
+    fsafe.replace_own(out, buf.getvalue())
     return out
 
 
 def _since(args: argparse.Namespace) -> float | None:
     if args.since is None:
         return None
-    return time.time() - parse_duration(args.since, "--since")
+    # Longer ago than the epoch is "everything" (and never a timestamp before year 1).
+    return max(0.0, time.time() - parse_duration(args.since, "--since"))
 
 
 def cmd_timeline(args: argparse.Namespace, cfg: NodeConfig) -> int:
@@ -190,8 +201,9 @@ def add_watch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", action="store_true",
                    help="a live view of each checkpoint's timeline, refreshed every --interval; Ctrl-C to stop "
                         "(not a terminal: one snapshot per interval)")
-    p.add_argument("--interval", type=float, metavar="S", help=f"seconds between refreshes (default {WATCH_INTERVAL:g})")
-    p.add_argument("--iterations", type=int, metavar="N", help="stop after N refreshes (default: until Ctrl-C)")
+    p.add_argument("--interval", type=argtypes.seconds, metavar="S",
+                   help=f"seconds between refreshes (default {WATCH_INTERVAL:g})")
+    p.add_argument("--iterations", type=argtypes.count, metavar="N", help="stop after N refreshes (default: until Ctrl-C)")
     p.add_argument("--since", metavar="DURATION", help="with --watch: only what happened in the last DURATION")
 
 

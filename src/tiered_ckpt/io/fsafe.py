@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from pathlib import Path
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -275,3 +276,65 @@ def unlink(path: str | os.PathLike[str], *, anchor: str | os.PathLike[str] | Non
         raise
     finally:
         os.close(dfd)
+
+
+# Writing files the toolkit owns outside the checkpoint tree (records, the metrics textfile):
+# the directory is shared too, so whatever is planted at one of our names (a FIFO, a symlink, a
+# hard link) is unlinked (unlink(2) never follows) and the name created afresh. A FIFO opened
+# for writing would block until a reader comes (fifo(7)); a FIFO held open by a reader would
+# take a write and block once its pipe is full.
+def open_own(path: str | os.PathLike[str], flags: int, mode: int, *, dir_fd: int | None = None) -> int:
+    """open_file for writing at a name of ours (module doc above): a regular file with one link,
+    created with `mode` (fchmod: the umask never decides) if absent; anything else there is
+    replaced. `flags` must hold O_CREAT and a write mode."""
+    for _ in range(8):        # another writer may replace the same planted entry meanwhile
+        try:
+            fd = open_file(path, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
+            try:
+                os.fchmod(fd, mode)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        except FileExistsError:
+            pass
+        try:
+            return open_file(path, flags & ~os.O_CREAT, mode, dir_fd=dir_fd)
+        except FileNotFoundError:
+            continue
+        except UnsafePath:
+            name = Path(path) if dir_fd is None else Path(path).name
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+    raise UnsafePath(errno.EAGAIN, "kept being replaced by something else than a regular file", str(path))
+
+
+def replace_own(path: str | os.PathLike[str], data: bytes, mode: int = FILE_MODE, *, planted_ok: bool = False) -> None:
+    """Replace a small file of ours atomically (a temporary name next to it, fsynced, renamed):
+    a reader sees the old or the new content, never half. Outside the checkpoint tree only
+    (AMLFS export does not propagate renames, DESIGN.md). Something other than a regular file at
+    `path` (a device such as /dev/full given as the path, a FIFO, a symlink) is refused
+    (UnsafePath), unless `planted_ok` (a directory only the toolkit writes: replaced)."""
+    p = Path(path)
+    if not planted_ok:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                raise _refuse(p, kind(st.st_mode))
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = open_own(tmp, os.O_WRONLY | os.O_TRUNC, mode)
+    try:
+        os.ftruncate(fd, 0)
+        write_all(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, p)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tiered_ckpt.errors import EXIT_CONFLICT, EXIT_UNAVAILABLE, EXIT_USAGE, ConflictError, UserError
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import fsafe, mounts
 
 LOCK_NAME = ".retention.lock"
 CHECKPOINT_LOCKS = ".locks"      # <root>/<model>/.locks/<checkpoint name>.lock
@@ -89,6 +89,10 @@ def _flock(fd: int, p: Path, wait: float | None) -> bool:
 
 @contextmanager
 def _held(p: Path, purpose: str, wait: float | None, anchor: Path | None, busy: str) -> Iterator[None]:
+    # A Lustre client mounted with localflock would grant this lock on every node at once.
+    problem = mounts.flock_problem(anchor if anchor is not None else p.parent)
+    if problem is not None:
+        raise UserError(f"cannot take the lock {p}: {problem}", exit_code=EXIT_UNAVAILABLE)
     fd = _open_lock(p, anchor)
     try:
         if not _flock(fd, p, wait):
@@ -124,9 +128,10 @@ def checkpoint_lock(root: str | os.PathLike[str], model: str, name: str, purpose
 
 
 @contextmanager
-def exclusive(path: str | os.PathLike[str], purpose: str) -> Iterator[None]:
-    """Hold an exclusive lock on `path` or raise ConflictError naming the holder."""
+def exclusive(path: str | os.PathLike[str], purpose: str, *, anchor: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `path` or raise ConflictError naming the holder; `anchor`: the
+    trusted root below which no directory of `path` is followed through a symlink (fsafe)."""
     p = Path(path)
-    with _held(p, purpose, 0.0, None,
+    with _held(p, purpose, 0.0, Path(anchor) if anchor is not None else None,
                "only one node may change these checkpoints at a time — wait for it to finish and re-run"):
         yield

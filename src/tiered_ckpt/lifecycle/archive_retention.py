@@ -13,7 +13,9 @@ what lets Lustre retention free it, and a released file's only data).
 Apply, per checkpoint to delete, in this order (each step idempotent):
 
 1. write a journal blob `<journal>/<model>/<name>.json` (outside the checkpoint prefix, so AMLFS
-   never imports it into Lustre);
+   never imports it into Lustre); then, if a restore holds a live lease on the checkpoint
+   (restore_lease.py: the restore is reading it from the archive), keep it this run and drop
+   the journal blob — a restore that starts later sees the journal blob and stops instead;
 2. delete the marker blob, only if it is still the version the decision read (If-Match on its
    ETag) — from here on no reader counts the checkpoint: `restore` picks only committed ones;
 3. delete the data blobs listed under the checkpoint;
@@ -37,15 +39,15 @@ from typing import Any
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.io import commit as mf
+from tiered_ckpt.lifecycle import restore_lease
 from tiered_ckpt.lifecycle.policy import DELETE, KEEP, RESUME, Candidate, Decision, Policy, decide
 from tiered_ckpt.lifecycle.retention import ApplyResult, RetentionDecisions
 from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import parse_name
 from tiered_ckpt.tiers.blob import BlobInfo, BlobStore, archived_markers
 
-# Container-level prefix of the journal: not under archive.prefix (the checkpoint root AMLFS
-# imports), so it never appears on Lustre.
-JOURNAL_PREFIX = ".tiered-ckpt/archive-retention"
+JOURNAL_PREFIX = restore_lease.JOURNAL_PREFIX
+RESTORING = "a restore of it is reading it from the archive (its lease, restore_lease.py): kept while it runs"
 ON_LUSTRE = "still on the accelerator layer: its archive copy proves it archived (Lustre retention frees it first)"
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,7 @@ class ArchiveFacts:
 
 
 def _journal(store: BlobStore) -> BlobStore:
-    base = f"{JOURNAL_PREFIX}/{store.prefix}" if store.prefix else JOURNAL_PREFIX
-    return store.at(base)
+    return restore_lease.journal(store)
 
 
 def _journaled(store: BlobStore, model: str) -> set[str]:
@@ -149,6 +150,11 @@ def evaluate(cfg: NodeConfig, store: BlobStore, policy: Policy, present: Callabl
     decisions = decide(facts.candidates, replace(policy, action=DELETE), now)
     decisions = [Decision(d.name, KEEP, (ON_LUSTRE,), d.bytes) if d.action in (DELETE, RESUME) and present(d.name) else d
                  for d in decisions]
+    leased = {rel.split("/")[1].removesuffix(".json") for rel, info in restore_lease.leases(store).listing(cfg.model).items()
+              if rel.count("/") == 1 and (info.last_modified is None
+                                          or time.time() - info.last_modified < restore_lease.LEASE_SECONDS)}
+    decisions = [Decision(d.name, KEEP, (RESTORING,), d.bytes) if d.action == DELETE and d.name in leased else d
+                 for d in decisions]
     ev = RetentionDecisions(cfg.model, policy, decisions, now.isoformat())
     return ev, facts
 
@@ -211,6 +217,14 @@ def _delete(cfg: NodeConfig, store: BlobStore, facts: ArchiveFacts, d: Decision,
     step(name, "journal")
     _journal(store).put_bytes(f"{model}/{name}.json", json.dumps(
         {"model": model, "name": name, "started_utc": datetime.now(timezone.utc).isoformat()}).encode())
+    # After the journal entry, before the marker: a restore that took its lease first is seen
+    # here; one that takes it later sees the entry and stops (restore_lease).
+    step(name, "lease")
+    age = restore_lease.restoring(store, model, name)
+    if age is not None:
+        _journal(store).delete(f"{model}/{name}.json")
+        return Decision(name, KEEP, (f"a restore of it started {age:.0f} s ago and may still be reading it: kept this "
+                                     "run",), d.bytes)
     step(name, "marker")
     if store.delete(marker_rel, etag=got[1]) == "changed":
         _journal(store).delete(f"{model}/{name}.json")

@@ -325,9 +325,9 @@ class Exporter:
         d["errors"] = [redact(e) for e in d["errors"][:20]]   # the status file may be read by anyone
         s.last_iteration = d
         self.status_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.status_path.with_name(self.status_path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(s), indent=1))
-        os.replace(tmp, self.status_path)   # a status file, not checkpoint data: a rename is fine here
+        # A status file, not checkpoint data: a rename is fine here. Through fsafe: a FIFO planted at
+        # its temporary name must not hang the exporter; a device given as --export-status is refused.
+        fsafe.replace_own(self.status_path, json.dumps(asdict(s), indent=1).encode())
 
     def watch(self, interval: float = 5.0, stop: threading.Event | None = None, max_iterations: int | None = None,
               on_iteration: Callable[[Iteration], None] | None = None) -> None:

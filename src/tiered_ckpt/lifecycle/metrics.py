@@ -3,25 +3,33 @@
 Built with prometheus-client: `registry(cfg, backend)` is a CollectorRegistry whose collector looks
 at the tiers on every collection (`status.gather`: markers, archive proof, backlog, export job,
 capacity) and reads the last save/retention/restore records (tiered_ckpt.records). The CLI writes
-it as a node-exporter textfile (`write_textfile`, atomic: prometheus-client writes a temporary
-file and renames it) or serves it over HTTP (`tiered-ckpt metrics --serve`).
+it as a node-exporter textfile (`write_textfile`, atomic: a temporary file renamed into place) or serves it over HTTP (`tiered-ckpt metrics --serve`).
 
 Every sample carries `model`. A part that could not be checked (the archive, the export job) is
-reported by `tiered_ckpt_check_ok{part=...} 0` and its samples are left out, never shown as 0.
+reported by `tiered_ckpt_check_ok{part=...} 0` and its samples are left out, never shown as 0; a
+record that is not one (hand-edited, another version's, a planted file) is left out and counted
+in `tiered_ckpt_malformed_records{kind=...}`: one bad file never fails a scrape.
+
+A collection lists markers and the archive, so it is not free: one collector serves every scrape
+within CACHE_SECONDS from its last collection, and concurrent scrapes wait for the one collection
+in progress instead of each starting its own (`tiered_ckpt_collections_total` counts them).
 """
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-from prometheus_client import CollectorRegistry, write_to_textfile
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tiered_ckpt import records
 from tiered_ckpt.config import NodeConfig
+from tiered_ckpt.io import fsafe
 from tiered_ckpt.lifecycle.status import Status, gather
 from tiered_ckpt.naming import parse_name
 from tiered_ckpt.tiers import memory as memory_tier
@@ -64,14 +72,35 @@ METRICS: dict[str, str] = {
     "memory_persist_failures_total": "Persists to the checkpoint root that failed",
     "memory_flushes_total": "Emergency flushes (SIGTERM, preemption notice) that persisted a checkpoint",
     "memory_restore_fallbacks_total": "Restores that fell from a memory source to the next after a failed check",
+    "malformed_records": "Operation records that are not valid records (left out), by kind",
+    "collections_total": "Collections of the tiers' state by this process (scrapes share one for a few seconds)",
 }
+# Seconds one collection serves scrapes for (Prometheus scrapes every 15-60 s by default; several
+# scrapers or a dashboard's refresh then cost one listing of the tiers, not one each).
+CACHE_SECONDS = 5.0
 
 
 class _Collector(Collector):
-    def __init__(self, cfg: NodeConfig, backend: TierBackend) -> None:
-        self.cfg, self.backend = cfg, backend
+    def __init__(self, cfg: NodeConfig, backend: TierBackend, cache_seconds: float = CACHE_SECONDS) -> None:
+        self.cfg, self.backend, self.cache_seconds = cfg, backend, cache_seconds
+        self.collections = 0
+        self._lock = threading.Lock()            # one collection at a time; the others wait for it
+        self._cached: tuple[float, list[Metric]] | None = None
 
     def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            now = time.monotonic()
+            if self._cached is None or now - self._cached[0] >= self.cache_seconds:
+                self.collections += 1
+                fams = self._collect()
+                self._cached = (time.monotonic(), fams)
+            fams = self._cached[1]
+        total = GaugeMetricFamily(PREFIX + "collections_total", METRICS["collections_total"], labels=["model"])
+        total.add_metric([self.cfg.model], float(self.collections))
+        yield from fams
+        yield total
+
+    def _collect(self) -> list[Metric]:
         cfg = self.cfg
         out: dict[str, GaugeMetricFamily] = {}
 
@@ -116,7 +145,7 @@ class _Collector(Collector):
                 put("accelerator_free_bytes", st.capacity.free_bytes)
         self._records(put)
         self._memory(put)
-        yield from out.values()
+        return list(out.values())
 
     def _memory(self, put: Any) -> None:
         cfg = self.cfg
@@ -137,29 +166,62 @@ class _Collector(Collector):
         put("memory_restore_fallbacks_total", m.counters["fallbacks"])
 
     def _records(self, put: Any) -> None:
+        """The records' samples; a malformed record (any value not the type its metric needs) is
+        left out whole and counted."""
         cfg = self.cfg
-        s = records.read(cfg.root, cfg.model, records.SAVE)
-        if s:
-            put("save_seconds", s.get("seconds"))
-            put("save_bytes", s.get("bytes"))
-            if s.get("seconds"):
-                put("save_throughput_bytes_per_second", float(s.get("bytes", 0)) / float(s["seconds"]))
-            put("save_timestamp_seconds", s.get("time_unix"))
-        a = records.read(cfg.root, cfg.model, records.ASYNC_SAVE)
-        if a:
-            put("async_blocked_seconds", a.get("blocked_seconds"))
-        r = records.read(cfg.root, cfg.model, records.RETENTION)
-        if r:
-            totals = r.get("totals") or {}
-            put("retention_deleted_total", totals.get("deleted", 0))
-            put("retention_released_total", totals.get("released", 0))
-            put("retention_blocked", r.get("blocked"))
-            put("retention_timestamp_seconds", r.get("time_unix"))
-        x = records.read(cfg.root, cfg.model, records.RESTORE)
-        for path, last in ((x or {}).get("by_path") or {}).items():
+        for kind in records.KINDS:
+            rec, bad = records.read_checked(cfg.root, cfg.model, kind)
+            got: list[tuple[str, float, dict[str, str]]] = []
+            if rec is not None:
+                try:
+                    got = _record_samples(kind, rec)
+                except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError):
+                    bad = True
+            put("malformed_records", 1 if bad else 0, kind=kind)
+            if not bad:
+                for name, v, labels in got:
+                    put(name, v, **labels)
+
+
+def _num(v: Any) -> float | None:
+    """A record's number (None: absent); anything else raises TypeError (the record is malformed)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"not a number: {v!r}")
+    return float(v)
+
+
+def _record_samples(kind: str, rec: dict[str, Any]) -> list[tuple[str, float, dict[str, str]]]:
+    out: list[tuple[str, float, dict[str, str]]] = []
+
+    def add(name: str, v: Any, **labels: str) -> None:
+        n = _num(v)
+        if n is not None:
+            out.append((name, n, labels))
+
+    if kind == records.SAVE:
+        add("save_seconds", rec.get("seconds"))
+        add("save_bytes", rec.get("bytes"))
+        secs = _num(rec.get("seconds"))
+        if secs:
+            add("save_throughput_bytes_per_second", (_num(rec.get("bytes")) or 0.0) / secs)
+        add("save_timestamp_seconds", rec.get("time_unix"))
+    elif kind == records.ASYNC_SAVE:
+        add("async_blocked_seconds", rec.get("blocked_seconds"))
+    elif kind == records.RETENTION:
+        totals = rec.get("totals") or {}
+        add("retention_deleted_total", totals.get("deleted", 0))
+        add("retention_released_total", totals.get("released", 0))
+        add("retention_blocked", rec.get("blocked"))
+        add("retention_timestamp_seconds", rec.get("time_unix"))
+    elif kind == records.RESTORE:
+        by_path = rec.get("by_path") or {}
+        for path, last in by_path.items():
             if path in RESTORE_PATHS and isinstance(last, dict):
-                put("restore_seconds", last.get("seconds"), path=path)
-                put("restore_bytes", last.get("bytes"), path=path)
+                add("restore_seconds", last.get("seconds"), path=path)
+                add("restore_bytes", last.get("bytes"), path=path)
+    return out
 
 
 def _lag(cfg: NodeConfig, pending: list[str]) -> float:
@@ -175,15 +237,16 @@ def _lag(cfg: NodeConfig, pending: list[str]) -> float:
 
 
 def registry(cfg: NodeConfig, backend: TierBackend) -> CollectorRegistry:
-    """A registry that collects the model's metrics afresh on every scrape or write."""
+    """A registry that collects the model's metrics (once per CACHE_SECONDS, module doc)."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(_Collector(cfg, backend))
     return reg
 
 
 def write_textfile(cfg: NodeConfig, backend: TierBackend, path: str) -> None:
-    """The node-exporter textfile (atomic replace)."""
-    write_to_textfile(path, registry(cfg, backend))
+    """The node-exporter textfile, replaced atomically through fsafe (a FIFO or symlink planted at
+    it or at its temporary name is replaced, never opened)."""
+    fsafe.replace_own(path, generate_latest(registry(cfg, backend)), fsafe.FILE_MODE)
 
 
 def samples(cfg: NodeConfig, backend: TierBackend) -> dict[str, float]:

@@ -36,9 +36,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.io.lock import checkpoint_lock
 from tiered_ckpt.io.posix import os_error
-from tiered_ckpt.lifecycle import tombstone
+from tiered_ckpt.lifecycle import restore_lease, tombstone
 from tiered_ckpt.lifecycle.journal import forget, note_restored
 from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
@@ -407,6 +407,7 @@ def _restore(cfg: NodeConfig, backend: TierBackend, name: str | None, verify: bo
             if found.where == "accelerator":
                 res = _in_place(cfg, backend, found, ckpt_dir, verify, progress, warnings)
             else:
+                stack.enter_context(_leased(cfg, backend, cname, warnings))
                 res = _from_archive(cfg, backend, found, ckpt_dir, progress, warnings)
             res.seconds = time.monotonic() - t0
             _bookkeeping(cfg, cname, res)
@@ -467,6 +468,33 @@ def _in_place(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir: Pat
         warnings.append(f"checkpoint {m.name} was saved without hashes (hash=False): only sizes could be checked")
     return RestoreResult(m.name, str(ckpt_dir), "released" if prefetched else "resident", m.total_bytes,
                          0.0, verified, len(m.files), len(prefetched), warnings, check)
+
+
+@contextmanager
+def _leased(cfg: NodeConfig, backend: TierBackend, name: str, warnings: list[str]) -> Iterator[None]:
+    """Hold a restore lease in the archive while its blobs are read (restore_lease.py): archive
+    retention keeps the checkpoint meanwhile, or this restore stops if a delete is under way."""
+    store = backend.store
+    try:
+        restore_lease.take(store, cfg.model, name)
+    except UserError as e:
+        # A read-only identity restores still; only the guard against archive retention is lost.
+        warnings.append(f"could not write the restore lease of {name} to the archive ({e}); archive retention "
+                        "running at the same moment could delete it mid-restore")
+        yield
+        return
+    try:
+        age = restore_lease.being_deleted(store, cfg.model, name)
+        if age is not None:
+            raise ConflictError(f"archive retention started deleting checkpoint {name} from the archive {age:.0f} s ago; "
+                                "it was not restored — restore another checkpoint (tiered-ckpt status lists them), or "
+                                "re-run if that retention run keeps it")
+        yield
+    finally:
+        try:
+            restore_lease.release(store, cfg.model, name)
+        except UserError as e:
+            warnings.append(f"could not remove the restore lease of {name} ({e}); it expires by itself")
 
 
 def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir: Path,

@@ -31,7 +31,7 @@ from typing import Any
 
 from tiered_ckpt import records
 from tiered_ckpt.config import NodeConfig
-from tiered_ckpt.errors import ConflictError
+from tiered_ckpt.errors import ConflictError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.io.lock import checkpoint_lock, exclusive, lock_path
@@ -219,6 +219,20 @@ def _recheck(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions,
     return info, None
 
 
+def _take_lock(stack: ExitStack, cfg: NodeConfig, d: Decision) -> Decision | None:
+    """Take checkpoint d's lock into `stack`; None, or what to report instead: busy (held), or
+    skipped when its lock file is not one (a planted symlink or FIFO: one checkpoint, not the run)."""
+    try:
+        stack.enter_context(checkpoint_lock(cfg.root, cfg.model, d.name, "retention", wait=0))
+    except ConflictError:
+        return _busy(d)
+    except UserError as e:
+        log.warning("retention skipped %s: %s", d.name, e,
+                    extra=fields("retention", model=cfg.model, checkpoint=d.name, outcome="skipped"))
+        return Decision(d.name, SKIP, (f"not touched: {e}",), d.bytes)
+    return None
+
+
 def _busy(d: Decision) -> Decision:
     return Decision(d.name, BUSY, (f"another process (a save or a restore) holds checkpoint {d.name}: not touched "
                                    "this run; decided again next run",), d.bytes)
@@ -233,6 +247,10 @@ def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime |
     or the journal entry still there and still no marker (resume-delete).
     """
     mf.require_root(cfg.root)       # before the lock: exclusive() would create <root>/<model>
+    mdir = mf.model_dir(cfg.root, cfg.model)
+    if os.path.islink(mdir):
+        raise UserError(f"model directory {mdir} is a symbolic link; retention never follows one (it would act "
+                        "outside the checkpoint root): replace it with the real directory, or point root: at it")
     started = time.monotonic()
     try:
         res = _apply(cfg, backend, policy, now)
@@ -260,7 +278,8 @@ def _log_run(cfg: NodeConfig, res: ApplyResult, seconds: float) -> None:
 
 
 def _apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | None) -> ApplyResult:
-    with exclusive(lock_path(cfg.root, cfg.model), "retention apply"):
+    # Anchored: the lock file is never created through a symlinked model directory.
+    with exclusive(lock_path(cfg.root, cfg.model), "retention apply", anchor=cfg.root):
         ev = evaluate(cfg, backend, policy, now)
         res = ApplyResult(ev)
         root = cfg.root
@@ -307,33 +326,33 @@ def _delete_one(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions, d
                 res: ApplyResult) -> Decision:
     root = cfg.root
     path = mf.model_dir(root, cfg.model) / d.name
-    try:
-        with checkpoint_lock(root, cfg.model, d.name, "retention", wait=0):
-            if d.action == RESUME:
-                # Finish an interrupted delete only if nothing took the name since: the entry is
-                # still there (a new save or a restore drops it, holding this lock) and there is
-                # still no marker of any kind.
-                if d.name not in journaled(root, cfg.model):
-                    return Decision(d.name, SKIP, ("its journal entry is gone (saved or restored since the plan): "
-                                                   "not touched",), d.bytes)
-                if os.path.lexists(path / mf.MARKER) or not fsafe.is_real_dir(path):
-                    return Decision(d.name, SKIP, ("it has a marker again (or is no longer a directory): not touched",),
-                                    d.bytes)
-                entry = _journal_add(root, cfg.model, d.name)
-                mf.remove_checkpoint(path, anchor=root)
-            else:
-                info, instead = _recheck(cfg, backend, ev, d)
-                if instead is not None:
-                    return instead
-                assert info is not None and info.manifest is not None
-                entry = _journal_add(root, cfg.model, d.name)
-                # Before the marker goes: the name now lives only in the archive.
-                tombstone.record(root, cfg.model, d.name, info.manifest)
-                mf.remove_checkpoint(path, anchor=root)          # marker first, then data
-            fsafe.unlink(entry, anchor=root)
-            forget_restored(root, cfg.model, d.name)
-    except ConflictError:
-        return _busy(d)
+    with ExitStack() as stack:
+        instead = _take_lock(stack, cfg, d)
+        if instead is not None:
+            return instead
+        if d.action == RESUME:
+            # Finish an interrupted delete only if nothing took the name since: the entry is
+            # still there (a new save or a restore drops it, holding this lock) and there is
+            # still no marker of any kind.
+            if d.name not in journaled(root, cfg.model):
+                return Decision(d.name, SKIP, ("its journal entry is gone (saved or restored since the plan): "
+                                               "not touched",), d.bytes)
+            if os.path.lexists(path / mf.MARKER) or not fsafe.is_real_dir(path):
+                return Decision(d.name, SKIP, ("it has a marker again (or is no longer a directory): not touched",),
+                                d.bytes)
+            entry = _journal_add(root, cfg.model, d.name)
+            mf.remove_checkpoint(path, anchor=root)
+        else:
+            info, instead = _recheck(cfg, backend, ev, d)
+            if instead is not None:
+                return instead
+            assert info is not None and info.manifest is not None
+            entry = _journal_add(root, cfg.model, d.name)
+            # Before the marker goes: the name now lives only in the archive.
+            tombstone.record(root, cfg.model, d.name, info.manifest)
+            mf.remove_checkpoint(path, anchor=root)          # marker first, then data
+        fsafe.unlink(entry, anchor=root)
+        forget_restored(root, cfg.model, d.name)
     res.done.append(f"delete {d.name}")
     res.freed_bytes += d.bytes
     return d
@@ -346,10 +365,9 @@ def _release_all(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions, 
     with ExitStack() as stack:
         ready: list[tuple[Decision, mf.CheckpointInfo]] = []
         for d in releases:
-            try:
-                stack.enter_context(checkpoint_lock(cfg.root, cfg.model, d.name, "retention", wait=0))
-            except ConflictError:
-                out[d.name] = _busy(d)
+            instead = _take_lock(stack, cfg, d)
+            if instead is not None:
+                out[d.name] = instead
                 continue
             info, instead = _recheck(cfg, backend, ev, d)
             if instead is not None:

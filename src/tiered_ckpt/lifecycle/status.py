@@ -28,8 +28,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tiered_ckpt import records
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, UserError
 from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import mounts
 from tiered_ckpt.lifecycle.exporter import Exporter, default_status_path, read_status, walk_tree
 from tiered_ckpt.lifecycle.journal import journaled
 from tiered_ckpt.lifecycle.policy import Policy, decide
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 
 OK, UNKNOWN, PROBLEM = "ok", "UNKNOWN", "PROBLEM"
 # The parts status checks, in the order it reports them.
-PARTS = ("markers", "lfs", "archive", "backlog", "export", "capacity")
+PARTS = ("markers", "lfs", "archive", "backlog", "export", "capacity", "locking", "records")
 # Export job states that mean new checkpoints are not being archived (AMLFS auto-export job
 # status, Microsoft.StorageCache autoExportJobs; the local exporter uses the same words).
 EXPORT_STOPPED = ("Failed", "DisableFailed", "Disabled", "Disabling")
@@ -189,6 +191,32 @@ def export_check(export: Mapping[str, Any]) -> tuple[str, str]:
     return OK, ""
 
 
+def records_problem(root: str | os.PathLike[str], model: str) -> str | None:
+    """Why saves, retention and restores cannot leave their records (metrics, timeline), or None.
+
+    The records live next to the root (records.records_dir), in a directory the writers create
+    if they may; under a root-owned mount root they may not, so the node boot creates it
+    group-shared (2775). Checked for this user: the nearest existing directory on the way to the
+    model's records must be writable (then the rest can be created)."""
+    d = records.records_dir(root, model)
+    base = d.parent
+    fix = f"create it group-shared like the root (install -d -m 2775 -g $(stat -c %g {root}) {base}; the node boot does)"
+    p = d
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"records directory {base}: {p} is not a directory; metrics and timeline stay empty: {fix}"
+    if not os.access(p, os.W_OK | os.X_OK):
+        if p in (d, base):
+            return (f"records directory {p} is not writable by this user (uid {os.getuid()}); metrics and timeline "
+                    f"miss what this user's saves, retention runs and restores do: make it group-writable (2775) "
+                    "and add the user to its group")
+        return (f"records directory {base} does not exist and cannot be created here ({p} is not writable by uid "
+                f"{os.getuid()}); every save, retention run and restore skips its record, so metrics and timeline "
+                f"stay empty: {fix}")
+    return None
+
+
 def capacity(root: str, keeps: int, next_bytes: int) -> Capacity:
     v = os.statvfs(root)
     total = v.f_blocks * v.f_frsize
@@ -308,6 +336,10 @@ def gather(backend: TierBackend, policy: Policy | None = None,
                       "file system")
         else:
             out.check("capacity", OK)
+    problem = mounts.flock_problem(cfg.root)
+    out.check("locking", PROBLEM if problem else OK, problem or "")
+    problem = records_problem(cfg.root, cfg.model)
+    out.check("records", PROBLEM if problem else OK, problem or "")
     bad = [chk for chk in out.checks if chk.state != OK]
     out.warnings.extend(f"{chk.part}: {chk.state}: {chk.reason}" for chk in bad)
     log.info("status of %s: %s%s", cfg.model, out.health, "".join(f"; {chk.part} {chk.state}" for chk in bad),
