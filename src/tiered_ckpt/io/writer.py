@@ -269,7 +269,12 @@ class Save:
                 self._cleanup_own(keep_note=True)
             if self._claim is not None:
                 self._close_dir()
-                self._claim.abandon()   # removes the directory only if this save created it and it is empty
+                if self.comm.world_size == 1:
+                    self._claim.abandon()   # removes the directory only if this save created it and it is empty
+                else:
+                    # Other ranks may still be about to write into it: they must learn of this failure
+                    # from the rank agreement, not from a vanished directory. Empty, it is not committed.
+                    self._claim.release()
         finally:
             self._close()      # the save is over: release the claim, close the directory
 
