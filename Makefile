@@ -46,16 +46,24 @@ install: $(STAMP) $(AZURITE) debs
 
 # requires-python is >=3.10: the program and the toolkit must not need a newer Python (vermin, 3.10 floor).
 VERMIN_ARGS = --target=3.10- --no-tips --violations --eval-annotations -q
+# Dead code: everything is scanned so a name used only by tests or benchmarks counts as used;
+# vulture_whitelist.py lists what only a framework calls.
+VULTURE_PATHS = src components __main__.py tests benchmarks examples vulture_whitelist.py
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	PYTHONPATH=src:. $(BIN)/lint-imports
 	$(BIN)/vermin $(VERMIN_ARGS) src components __main__.py
+	$(BIN)/vulture $(VULTURE_PATHS) --min-confidence 60
 
+# `make unit`: the fast subset a maintainer runs often (markers applied in tests/conftest.py);
+# `make test`: lint and every test (requeue aside, see below).
+UNIT_MARKS := not requeue and not slow and not benchmark and not network and not cluster
 unit: install
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -m '$(UNIT_MARKS)' $(PYTEST_ARGS)
 
-test: install lint unit
+test: install lint
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 # The Slurm requeue test (USR1 at the time limit, `scontrol requeue`): timing-bound on a loaded
 # 2-core machine, so outside `make test`.

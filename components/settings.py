@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tiered_ckpt.errors import UserError
 from tiered_ckpt.lifecycle.archive_retention import JOURNAL_PREFIX
 
 from . import cloud_init, oncalendar, sizing, subnets, vm_security
@@ -20,8 +21,8 @@ from . import cloud_init, oncalendar, sizing, subnets, vm_security
 NAMESPACE = "tiered"
 
 
-class SettingsError(Exception):
-    """Stack settings are invalid. `str(err)` is the whole message shown to the user: one line per problem,
+class SettingsError(UserError):
+    """Stack settings are invalid (a user error, exit code 2). `str(err)` is the whole message shown to the user: one line per problem,
     each naming the key, the value and the fix; `problems` holds the lines one by one."""
 
     def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
