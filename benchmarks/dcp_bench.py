@@ -21,21 +21,35 @@ whose order rotates; ratios are taken within a round, then medians and min-max r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import BENCH_ERROR, report, tools_missing
-from benchmarks.io_bench import _fio
+from benchmarks.harness import (
+    BENCH_ERROR,
+    build_many,
+    disk,
+    drop_caches,
+    expected,
+    fill_tensor,
+    own_share,
+    parse_size,
+    report,
+    rotate,
+    seed_of,
+    stats,
+    tensor_bytes,
+    tools_missing,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench"
@@ -47,9 +61,11 @@ GOALS = {
     "async_block_vs_dcp": 1.0,  # <= our async_save blocked time / DCP's with its default stager
     "many_save_vs_dcp": 2.0,   # <= our time / FileSystemWriter's for 100,000 tensors of 4 KiB
     "many_load_vs_dcp": 2.0,   # <= our time / FileSystemReader's
+    "many_save_own_share": 0.10,  # <= the share of a 100k x 4 KiB dcp.save spent in this project's code (cProfile)
+    "many_load_own_share": 0.10,  # <= the same for dcp.load
+    "many_metadata_vs_fsw": 1.0,  # <= our pickled metadata's bytes / FileSystemWriter's for the same state
 }
 FSW_THREADS = (1, 4, 8)
-FIO_JOBS, FIO_BLOCK = 4, 16 << 20        # as the I/O bench runs fio
 # The issue's fixture is 4 GiB of parameters (12 GiB with AdamW, 24 GiB while async staging holds a
 # copy) and 100,000 tensors of 4 KiB (DCP alone takes ~1 min per save of those here): the defaults are
 # scaled to fit a 24 GiB, 2-core machine in ~4 minutes, and the table says so. The scale suite
@@ -59,7 +75,6 @@ ISSUE_PARAMS, ISSUE_MANY = 4 << 30, 100_000
 DEFAULT_PARAMS = "512MiB"
 DEFAULT_SMALL = 1000
 DEFAULT_MANY = 10_000
-MANY_BYTES = 4096
 HIDDEN = 2048                            # layer width at the default size: 16 MiB fp32 square matrices
 
 
@@ -87,31 +102,6 @@ def layout(params: int, small: int) -> list[tuple[str, tuple[int, ...]]]:
     names += [(f"layers.{j % n_layers}.adapters.{j // n_layers}.weight", (sizes[j % len(sizes)],)) for j in range(small)]
     names += [("norm.weight", (d,)), ("pos_embeddings.weight", (big_rows, d)), ("output.weight", (big_rows, d))]
     return names
-
-
-def _fill(t: Any, seed: int) -> None:
-    """Deterministic, incompressible-looking contents at memory-copy speed: slices of one random pool."""
-    import torch
-
-    pool = _POOL.get("p")
-    if pool is None:
-        g = torch.Generator().manual_seed(0)
-        pool = _POOL["p"] = torch.rand(4 << 20, generator=g)      # 16 MiB
-    flat = t.view(-1)
-    n, start = flat.numel(), (seed * 7919) % pool.numel()
-    done = 0
-    while done < n:
-        k = min(n - done, pool.numel() - start)
-        flat[done:done + k].copy_(pool[start:start + k])
-        done += k
-        start = 0
-
-
-_POOL: dict[str, Any] = {}
-
-
-def _seed(key: str) -> int:
-    return zlib.crc32(key.encode())
 
 
 STEP = 1000.0        # every parameter's AdamW step counter (a real optimizer keeps them equal)
@@ -142,55 +132,18 @@ def build_state(params: int, small: int, fill: bool = True) -> dict[str, Any]:
         p = nn.Parameter(torch.empty(shape), requires_grad=True)
         if fill:
             with torch.no_grad():
-                _fill(p, _seed(name))
+                fill_tensor(p, seed_of(name))
         parent.register_parameter(leaf, p)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for name, p in model.named_parameters():
         m, v = torch.empty(p.shape), torch.empty(p.shape)
         if fill:
-            _fill(m, _seed(name + ".exp_avg"))
-            _fill(v, _seed(name + ".exp_avg_sq"))
+            fill_tensor(m, seed_of(name + ".exp_avg"))
+            fill_tensor(v, seed_of(name + ".exp_avg_sq"))
         # A load's destination starts at step 0, so a load that skipped the counters is caught.
         opt.state[p] = {"step": torch.tensor(STEP if fill else 0.0), "exp_avg": m, "exp_avg_sq": v}
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd}
-
-
-def build_many(count: int, fill: bool = True) -> dict[str, Any]:
-    """`count` separate tensors of 4 KiB (each its own storage, as parameters are)."""
-    import torch
-
-    n = MANY_BYTES // 4
-    model = {}
-    for i in range(count):
-        name = f"blocks.{i // 64}.p{i % 64}"
-        t = model[name] = torch.empty(n)
-        if fill:
-            _fill(t, _seed(name))
-    return {"model": model}
-
-
-def expected(key: str, like: Any) -> Any:
-    """What `build_state`/`build_many` put under `key` (a model fqn, or fqn.exp_avg / fqn.exp_avg_sq)."""
-    import torch
-
-    t = torch.empty_like(like)
-    _fill(t, _seed(key))
-    return t
-
-
-def tensor_bytes(obj: Any) -> tuple[int, int]:
-    """(bytes, tensors) in a nested state dict."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size(), 1
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    total = count = 0
-    for v in items:
-        b, c = tensor_bytes(v)
-        total, count = total + b, count + c
-    return total, count
 
 
 def check_loaded(got: dict[str, Any]) -> bool:
@@ -245,19 +198,29 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
                 return tdcp.TieredWriter(config=cfg, epoch=0, step=step)
             return FileSystemWriter(p, thread_count=spec.get("threads", 1))
 
+        # profile: a separate, untimed run under cProfile, for the share of the call in our code
+        prof = cProfile.Profile() if spec.get("profile") else None
         if kind == "save":
             t = time.perf_counter()
-            dcp.save(state, storage_writer=writer(spec.get("step", 0), path))
+            w = writer(spec.get("step", 0), path)
+            with prof or contextlib.nullcontext():
+                dcp.save(state, storage_writer=w)
             res["seconds"] = time.perf_counter() - t
+            meta = (list((work / "tiered" / MODEL / f"global_epoch0_step{spec.get('step', 0)}").glob("dcp.*.metadata"))
+                    if who == "tiered" else [path / ".metadata"])
+            res["metadata_bytes"] = meta[0].stat().st_size if meta and meta[0].is_file() else None
         elif kind == "load":
             t = time.perf_counter()
             reader = (tdcp.TieredReader(config=cfg, epoch=0, step=spec["step"]) if who == "tiered"
                       else FileSystemReader(path))
-            dcp.load(state, storage_reader=reader)
+            with prof or contextlib.nullcontext():
+                dcp.load(state, storage_reader=reader)
             res["seconds"] = time.perf_counter() - t
             res["verified"] = check_loaded(state)
         else:
             res |= _async(dcp, state, writer, spec, tdcp)
+        if prof is not None:
+            res["own_share"] = own_share(prof, REPO / "src" / "tiered_ckpt")
         res["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return res
     finally:
@@ -326,17 +289,6 @@ def _async(dcp: Any, state: dict[str, Any], writer: Callable[[int, Path], Any], 
 
 
 # -- the parent: rounds, order, cache, cleanup, table --------------------------------------------
-def _drop_caches() -> bool:
-    """sync, then drop the page cache and the dentry/inode caches (proc(5); needs root)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def _run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     env = os.environ.copy()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), str(REPO), env.get("PYTHONPATH")) if p)
@@ -346,21 +298,6 @@ def _run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         raise RuntimeError(f"DCP bench child {spec['kind']} {spec['who']} failed:\n{p.stderr[-4000:]}")
     d: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
     return d
-
-
-def _rotate(items: list[Any], r: int) -> list[Any]:
-    k = r % len(items)
-    return items[k:] + items[:k]
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
-def _parse_size(text: str, what: str) -> int:
-    from tiered_ckpt.config import parse_size
-
-    return parse_size(text, what)
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None],
@@ -374,11 +311,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
     cold = True
 
     def drop() -> bool:
-        return _drop_caches() if args.drop_caches else False
+        return drop_caches() if args.drop_caches else False
 
     base = {"dir": str(work), "params": args.params, "small": args.small, "many": args.many}
     rounds: list[dict[str, Any]] = []
-    n_meas = 2 + len(FSW_THREADS) + 1 + 2 + 2 + 4
+    n_meas = 2 + len(FSW_THREADS) + 1 + 2 + 2 + 4 + 2
     t_all = time.monotonic()
     step = 0
     facts: dict[str, Any] = {}
@@ -403,17 +340,15 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
             done = 0
             rd: dict[str, Any] = {}
             # Storage limit first: fio on the same directory, the same bytes the state holds.
-            size = _state_bytes_estimate(args.params, args.small)
-            size = max(FIO_JOBS * FIO_BLOCK, size // (FIO_JOBS * FIO_BLOCK) * FIO_JOBS * FIO_BLOCK)
+            cold = drop() and cold
+            fig = disk(work / "fio", _state_bytes_estimate(args.params, args.small))
+            rd["fio_runs"] = fig["runs"]
             for rw in ("write", "read"):
-                cold = drop() and cold
-                t = time.monotonic()
-                rd[f"fio_{rw}"] = _fio(work / "fio", rw, size, FIO_JOBS, FIO_BLOCK)
-                rd[f"fio_{rw}_wall"] = size / (time.monotonic() - t) / 1e9
+                # fio's best over queue depths and job counts (harness.disk); its own figure, so no wall variant
+                rd[f"fio_{rw}"] = rd[f"fio_{rw}_wall"] = fig[rw]
                 done += 1
-                progress(f"[dcp round {r + 1}/{args.rounds} {done}/{n_meas}] fio {rw}: {rd[f'fio_{rw}']:.2f} GB/s")
-            for f in (work / "fio").iterdir():
-                f.unlink()
+                progress(f"[dcp round {r + 1}/{args.rounds} {done}/{n_meas}] fio {rw}: {fig[rw]:.2f} GB/s "
+                         f"(best: {fig['best_of'][rw]})")
             # Saves of the full state, in a rotating order; FileSystemWriter's 4/8-thread copies are
             # deleted at once, the 1-thread one is kept for FileSystemReader.
             step += 1
@@ -421,7 +356,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
             saves: list[tuple[str, dict[str, Any]]] = [("save TieredWriter", {"who": "tiered", "step": tstep, "name": "-"})]
             saves += [(f"save FileSystemWriter thread_count={n}", {"who": "fsw", "threads": n, "name": f"fsw{n}"})
                       for n in FSW_THREADS]
-            for label, spec in _rotate(saves, r):
+            for label, spec in rotate(saves, r):
                 res = measure(label, {"kind": "save", "what": "state"} | spec)
                 facts.update(bytes=res["bytes"], tensors=res["tensors"], build_s=res["build_s"])
                 rd[spec["who"] + str(spec.get("threads", ""))] = res
@@ -429,24 +364,29 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
                     shutil.rmtree(work / spec["name"])
             loads = [("load TieredReader", {"who": "tiered", "step": tstep, "name": "-"}),
                      ("load FileSystemReader", {"who": "fsr", "name": "fsw1"})]
-            for label, spec in _rotate(loads, r):
+            for label, spec in rotate(loads, r):
                 rd["load_" + spec["who"]] = measure(label, {"kind": "load", "what": "state"} | spec)
             _clean(work)
             # async_save: two saves per process, ours vs DCP's own.
             step += 2
             asyncs = [("async_save TieredWriter", {"who": "tiered", "step": step - 1, "name": "-"}),
                       ("async_save FileSystemWriter", {"who": "fsw", "name": "fswa", "step": 0})]
-            for label, spec in _rotate(asyncs, r):
+            for label, spec in rotate(asyncs, r):
                 rd["async_" + spec["who"]] = measure(label, {"kind": "async", "what": "state"} | spec)
             _clean(work)
             # The per-tensor test: --many tensors of 4 KiB.
             step += 1
-            for label, spec in _rotate([(f"save {args.many:,} x 4 KiB TieredWriter", {"who": "tiered", "step": step, "name": "-"}),
+            for label, spec in rotate([(f"save {args.many:,} x 4 KiB TieredWriter", {"who": "tiered", "step": step, "name": "-"}),
                                         (f"save {args.many:,} x 4 KiB FileSystemWriter", {"who": "fsw", "name": "many"})], r):
                 rd["many_save_" + spec["who"]] = measure(label, {"kind": "save", "what": "many"} | spec)
-            for label, spec in _rotate([(f"load {args.many:,} x 4 KiB TieredReader", {"who": "tiered", "step": step, "name": "-"}),
+            for label, spec in rotate([(f"load {args.many:,} x 4 KiB TieredReader", {"who": "tiered", "step": step, "name": "-"}),
                                         (f"load {args.many:,} x 4 KiB FileSystemReader", {"who": "fsr", "name": "many"})], r):
                 rd["many_load_" + spec["who"]] = measure(label, {"kind": "load", "what": "many"} | spec)
+            # The same save and load under cProfile (untimed): the share of each call in our code.
+            step += 1
+            prof = {"what": "many", "who": "tiered", "step": step, "name": "-", "profile": True}
+            rd["many_save_prof"] = measure(f"save {args.many:,} x 4 KiB TieredWriter, profiled", {"kind": "save"} | prof)
+            rd["many_load_prof"] = measure(f"load {args.many:,} x 4 KiB TieredReader, profiled", {"kind": "load"} | prof)
             _clean(work)
             rounds.append(rd)
     finally:
@@ -524,21 +464,26 @@ def _summarize(rounds: list[dict[str, Any]], facts: dict[str, Any], args: argpar
             add(f"many_{op}_tiered_s", rd[f"many_{op}_tiered"]["seconds"])
             add(f"many_{op}_{peer}_s", rd[f"many_{op}_{peer}"]["seconds"])
             add(f"many_{op}_vs_dcp", rd[f"many_{op}_tiered"]["seconds"] / rd[f"many_{op}_{peer}"]["seconds"])
-    stats = {k: _stats(v) for k, v in per.items()}
-    med = {k: v["median"] for k, v in stats.items()}
-    met = {
+            add(f"many_{op}_own_share", rd[f"many_{op}_prof"]["own_share"])
+        if rd["many_save_tiered"].get("metadata_bytes") and rd["many_save_fsw"].get("metadata_bytes"):
+            add("many_metadata_vs_fsw", rd["many_save_tiered"]["metadata_bytes"] / rd["many_save_fsw"]["metadata_bytes"])
+    summary = {k: stats(v) for k, v in per.items()}
+    med = {k: v["median"] for k, v in summary.items()}
+    met: dict[str, bool] = {
         "write_vs_fsw": med["write_vs_fsw"] >= GOALS["write_vs_fsw"],
         "write_vs_fio": med["write_vs_fio"] >= GOALS["write_vs_fio"],
         "load_vs_fsr": med["load_vs_fsr"] >= GOALS["load_vs_fsr"],
         "async_block_vs_dcp": med["async_block_vs_dcp"] <= GOALS["async_block_vs_dcp"],
         "many_save_vs_dcp": med["many_save_vs_dcp"] <= GOALS["many_save_vs_dcp"],
         "many_load_vs_dcp": med["many_load_vs_dcp"] <= GOALS["many_load_vs_dcp"],
+        **{k: med[k] <= GOALS[k] for k in ("many_save_own_share", "many_load_own_share", "many_metadata_vs_fsw")
+           if k in med},
     }
     return {"dir": str(Path(args.dir).resolve()), "params_bytes": _param_bytes(args.params, args.small), "state_bytes": facts["bytes"],
             "state_tensors": facts["tensors"], "small_tensors": args.small, "many": args.many, "rounds": args.rounds,
             "cold_cache": cold, "fsw_best_multi_threads": best_threads,
             "async_stager_ours": rounds[0]["async_tiered"]["stager"], "async_stager_dcp": rounds[0]["async_fsw"]["stager"],
-            "goals": GOALS, "met": met, "stats": stats, "rounds_raw": rounds, "seconds": wall,
+            "goals": GOALS, "met": met, "stats": summary, "rounds_raw": rounds, "seconds": wall,
             "build_s": facts["build_s"]}
 
 
@@ -584,6 +529,11 @@ def render(res: dict[str, Any]) -> str:
          _rng(st, "many_save_vs_dcp", unit="x"), f"<= {g['many_save_vs_dcp']}x", met["many_save_vs_dcp"]),
         (f"load {res['many']:,} x 4 KiB", _rng(st, "many_load_tiered_s", unit=" s"), f"{_rng(st, 'many_load_fsr_s')} s",
          _rng(st, "many_load_vs_dcp", unit="x"), f"<= {g['many_load_vs_dcp']}x", met["many_load_vs_dcp"]),
+        *[(f"{op} {res['many']:,} x 4 KiB: share in our code", _rng(st, f"many_{op}_own_share", fmt=".1%"),
+           "cProfile, untimed run", "", f"<= {g[f'many_{op}_own_share']:.0%}", met.get(f"many_{op}_own_share"))
+          for op in ("save", "load") if f"many_{op}_own_share" in st],
+        *([("metadata, many tensors", _rng(st, "many_metadata_vs_fsw", unit="x"), "FileSystemWriter's .metadata", "",
+            f"<= {g['many_metadata_vs_fsw']}x", met.get("many_metadata_vs_fsw"))] if "many_metadata_vs_fsw" in st else []),
     ]
     head = ("measure", "tiered-ckpt", "DCP FileSystemWriter/Reader (or fio)", "ratio", "goal")
     w = [max(len(r[i]) for r in [*rows, head]) for i in range(5)]
@@ -623,7 +573,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args, _ = ap.parse_known_args(argv)    # `python -m benchmarks` hands every suite the same arguments
     if args.quick:
         args.params, args.small, args.many, args.rounds = "16MiB", 50, 1000, 1
-    args.params = _parse_size(str(args.params), "--params")
+    args.params = parse_size(str(args.params), "--params")
     if args.params < 1 << 20 or args.rounds < 1 or args.many < 1 or args.small < 0:
         ap.error("--params must be >= 1MiB, --rounds and --many >= 1, --small >= 0")
     return args

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch.distributed as dist
 
-    from benchmarks.gpu_check_dcp import _state
+    from benchmarks.harness import cuda_state
     from tiered_ckpt.config import parse_size
 
     size = parse_size(os.environ.get("GPU_CHECK_SIZE", "4GiB"), "GPU_CHECK_SIZE")
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method=f"file://{store}/s", rank=0, world_size=1)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     try:
-        model = _state(size, torch)["model"]
+        model = cuda_state(size, torch)["model"]
         nbytes = sum(t.numel() * t.element_size() for t in model.values())
         res["bytes"] = nbytes
         res["d2h_gbps"] = _d2h_gbps(torch, min(nbytes, 1 << 30))

@@ -21,22 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import cuda_state
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _state(total: int, torch: Any) -> dict[str, Any]:
-    """About `total` bytes of bf16/fp32 CUDA tensors, transformer-like sizes, seeded."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    state: dict[str, Any] = {}
-    big = total // 2 // 4                                # four large matrices: half the bytes
-    for i in range(4):
-        state[f"embed{i}"] = torch.randn(big // 2 // 4096, 4096, generator=g, device="cuda").to(torch.bfloat16)
-    mid, left = 32 << 20, total - sum(t.numel() * t.element_size() for t in state.values())
-    for i in range(max(1, (left - (64 << 20)) // mid)):
-        state[f"layer{i}.w"] = torch.randn(mid // 4 // 1024, 1024, generator=g, device="cuda")
-    for i in range(1000):
-        state[f"norm{i}"] = torch.randn(4096, generator=g, device="cuda")
-    return {"model": state, "step": 7}
 
 
 def _equal(a: dict[str, Any], b: dict[str, Any], torch: Any) -> bool:
@@ -67,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     store = tempfile.mkdtemp(prefix="gpu-dcp-store-")
     dist.init_process_group("gloo", init_method=f"file://{store}/s", rank=0, world_size=1)
     try:
-        st = _state(size, torch)
+        st = cuda_state(size, torch)
         nbytes = sum(t.numel() * t.element_size() for t in st["model"].values())
         gb = nbytes / 1e9
         torch.cuda.synchronize()

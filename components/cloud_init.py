@@ -1,4 +1,10 @@
-"""GPU node custom data (pure): a #cloud-config that mounts AMLFS, installs the toolkit, writes its config.
+"""VM custom data (pure): a #cloud-config that writes the boot's files and runs the role's bootstrap.
+
+The boot itself lives in real files under scripts/ (bootstrap per role, the shared steps, health check,
+Scheduled Events watcher, munge-key helper, systemd units), linted by shellcheck and executed by the tests
+against an image double. This module only assembles cloud-config: write_files with those files' contents
+(read from scripts/, unchanged) and the settings as an environment file (/etc/tiered-ckpt/boot.env), runcmd
+invoking the bootstrap. No script text is generated or substituted here.
 
 Nothing here talks to Azure; the Pulumi cluster component feeds resolved values in through
 Output.all(...).apply. The custom data carries no secret: the toolkit is fetched from a private blob
@@ -14,13 +20,15 @@ import gzip
 import hashlib
 import io
 import os
+import shlex
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig, dump, validate
+from tiered_ckpt import records
+from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, MemoryConfig, NodeConfig, RetentionConfig, dump, validate
 
 from . import node_lock, slurm_conf
 
@@ -32,7 +40,6 @@ UNIT = "tiered-ckpt-retention"
 # fstab options: the AMLFS docs' client-connect/automount example (noatime, flock, _netdev,
 # x-systemd.automount) plus nofail (systemd.mount(5)).
 FSTAB_OPTIONS = "defaults,noatime,flock,_netdev,x-systemd.automount,nofail"
-MOUNT_UNIT = MOUNT.strip("/").replace("/", "-")   # systemd-escape -p, for a path without special characters
 NODE_REQUIREMENTS = "/etc/tiered-ckpt/node-requirements.txt"
 # The unprivileged system user the retention timer runs as, and the group that owns the checkpoint
 # root (training users join it). Fixed ids: every node mounts the same file system, so the group
@@ -48,19 +55,25 @@ ROLE_NODE, ROLE_LOGIN, ROLE_BYO = "node", "login", "byo"
 WORK_DIR = "work"          # /lustrefs/work: shared by the login VM and every node
 SLURM_DIR = ".slurm"       # /lustrefs/.slurm: slurmctld's state (survives a replaced login VM)
 BOOTSTRAP = "/usr/local/sbin/tiered-ckpt-bootstrap"
+BOOT_LIB = "/usr/local/lib/tiered-ckpt/boot-common.sh"    # scripts/lib/boot-common.sh (the bootstraps source it)
+BOOT_ENV = "/etc/tiered-ckpt/boot.env"                    # the settings of the scripts on this VM
+SLURMD_DEFAULTS = "/etc/tiered-ckpt/slurmd.default"      # installed as /etc/default/slurmd after the packages
+CLEANUP_TOOL = "/usr/local/sbin/tiered-ckpt-slurm-cleanup"
 HEALTHCHECK = "/usr/local/sbin/tiered-ckpt-healthcheck"
 MUNGE_KEY_TOOL = "/usr/local/sbin/tiered-ckpt-munge-key"
 EVENTS_TOOL = "/usr/local/sbin/tiered-ckpt-scheduled-events"
 EVENTS_UNIT = "tiered-ckpt-scheduled-events"
 NCCL_PROFILE = "/etc/profile.d/nccl.sh"   # examples/train.sbatch sources it (NCCL_ENV_FILE)
 MUNGE_KEY = "/etc/munge/munge.key"
-# Key Vault REST API version of the secret GET/PUT calls (Key Vault REST reference, "Set Secret", "Get Secret").
-KEYVAULT_API = "7.4"
-# IMDS Scheduled Events (Azure docs, "Azure Metadata Service: Scheduled Events for Linux VMs").
-SCHEDULED_EVENTS_URL = "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"
-INSTANCE_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version=2021-02-01&format=text"
-# IMDS: the only way a node gets a token for its user-assigned identity without a stored secret.
-IMDS_TOKEN = "http://169.254.169.254/metadata/identity/oauth2/token?api-version=2018-02-01&resource=https%3A%2F%2Fstorage.azure.com%2F"
+# IMDS: tokens for the VM's user-assigned identities without a stored secret, and Scheduled Events.
+IMDS = "http://169.254.169.254"
+# The boot's files in this repository (the layout: Pulumi.yaml, __main__.py, components, stacks, scripts, tests).
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+# Secure Boot of the VM as the deployment sets it, and the Lustre client path (scripts/lib/boot-common.sh:
+# the signed kmod under Secure Boot, the image's DKMS client otherwise). The boot reads the real state with
+# `mokutil --sb-state`; this value decides only where that cannot tell ("unknown" counts as on).
+SECURE_BOOT_STATES = ("on", "off", "unknown")
+LUSTRE_CLIENTS = ("auto", "kmod", "dkms")
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,7 @@ class SlurmInputs:
     vault_url: str          # https://<vault>.vault.azure.net
     secret_name: str        # the Key Vault secret holding the munge key (base64)
     vault_client_id: str    # the user-assigned identity that reads (nodes) or creates (login) it
+    version: str = slurm_conf.SLURM_VERSION   # slurm-smd* package version, the same on every VM
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,8 @@ class NodeInputs:
     schedule: str
     tools_url: str      # https://<tools account>.blob.core.windows.net/<container>/<blob>
     tools_sha256: str
+    memory_keep: int = 0            # the memory tier (0: off): copies per rank in node RAM
+    memory_budget_bytes: int = 0    # bytes this node's memory tier may hold (keep x 2 x its share)
     role: str = ROLE_NODE           # ROLE_NODE (ND node, slurmd), ROLE_LOGIN (slurmctld, retention), ROLE_BYO
     admin_user: str = "azureuser"
     training_user: str = "azureuser"
@@ -111,6 +127,10 @@ class NodeInputs:
     nccl_topo_file: str = ""        # ND nodes: the image's NCCL topology file; "" writes no NCCL profile
     gpus_per_node: int = 8          # the health check drains a node that shows fewer
     slurm: SlurmInputs | None = None
+    secure_boot: str = "unknown"    # SECURE_BOOT_STATES: this VM's securityProfile
+    lustre_client: str = "auto"     # LUSTRE_CLIENTS
+    # components/vm_security.py's VmSecurity.boot_env() for a VM of ours (it wins over the two fields above)
+    security_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def retention(self) -> bool:
@@ -153,6 +173,11 @@ def build_toolkit(repo_root: Path, out_dir: Path) -> Toolkit:
     return Toolkit(path=path, sha256=sha, blob_name=path.name)
 
 
+# The memory tier's directory: in /dev/shm, the tmpfs every Linux node has (half its RAM by default,
+# which `make plan` checks the memory tier against); the toolkit creates it on first use.
+MEMORY_TIER_DIR = "/dev/shm/tiered-ckpt"
+
+
 def node_config(n: NodeInputs) -> NodeConfig:
     """The toolkit's own config object, validated by the toolkit's own rules."""
     cfg = NodeConfig(
@@ -165,169 +190,13 @@ def node_config(n: NodeInputs) -> NodeConfig:
         amlfs=AmlfsConfig(mount=MOUNT, subscription_id=n.subscription_id, resource_group=n.resource_group,
                           filesystem=n.filesystem, autoexport_job=n.autoexport_job, provisioned_gbps=n.provisioned_gbps),
         retention=RetentionConfig(keep_last=n.keep_last, keep_every_steps=n.keep_every_steps, min_keep=n.min_keep, action=n.action),
+        memory=MemoryConfig() if not n.memory_keep else
+        MemoryConfig(dir=MEMORY_TIER_DIR, keep=n.memory_keep, budget_bytes=n.memory_budget_bytes),
     )
     validate(cfg)
     return cfg
 
 
-def _bootstrap(n: NodeInputs) -> str:
-    # Runs once from runcmd. Idempotent, so a re-run after a failure (or reimage) converges.
-    return _bootstrap_common(n) + _bootstrap_tree(n) + _bootstrap_slurm(n) + 'log "done"\n'
-
-
-def _bootstrap_common(n: NodeInputs) -> str:
-    return f"""#!/bin/bash
-# tiered-ckpt {n.role} bootstrap (generated by the Pulumi program; see components/cloud_init.py)
-set -euo pipefail
-export DEBIAN_FRONTEND=noninteractive
-log() {{ echo "tiered-ckpt-bootstrap: $*"; }}
-
-# 1-2. Lustre client (Azure docs, "Install the Azure Managed Lustre client": prebuilt kmod or DKMS, never
-#    both). Current Ubuntu-HPC images ship the DKMS client (amlfs-lustre-client-dkms-<version>), which
-#    rebuilds the module for every kernel the image installs, so the kernel is not held. A node whose image
-#    has no client gets the DKMS client too (the packages need this kernel's headers). Only an image that
-#    ships a prebuilt kmod client (and no DKMS one) keeps it, with its kernel held: a kmod is built for one kernel.
-dkms_pkg=$(dpkg-query -W -f='${{Package}} ${{db:Status-Abbrev}}\n' 'amlfs-lustre-client-dkms-*' 2>/dev/null | awk '$2 ~ /^ii/ {{print $1}}' | sort -rV | head -n1 || true)
-if [ -n "$dkms_pkg" ]; then
-  log "Lustre client: $dkms_pkg (DKMS, from the image)"
-  modinfo lustre >/dev/null 2>&1 || dkms autoinstall || {{ log "DKMS could not build the Lustre module for kernel $(uname -r)"; exit 1; }}
-elif modinfo lustre >/dev/null 2>&1; then
-  log "Lustre client: prebuilt kmod from the image; holding kernel $(uname -r)"
-  apt-mark hold linux-azure linux-image-azure linux-headers-azure "linux-image-$(uname -r)" "linux-headers-$(uname -r)" || true
-else
-  log "installing the AMLFS Lustre DKMS client for kernel $(uname -r)"
-  . /etc/os-release
-  curl -fsSL https://packages.microsoft.com/keys/microsoft.asc | gpg --dearmor --yes -o /usr/share/keyrings/microsoft-amlfs.gpg
-  echo "deb [arch=amd64 signed-by=/usr/share/keyrings/microsoft-amlfs.gpg] https://packages.microsoft.com/repos/amlfs-${{VERSION_CODENAME}}/ ${{VERSION_CODENAME}} main" > /etc/apt/sources.list.d/amlfs.list
-  apt-get update -q
-  dkms_pkg=$(apt-cache search --names-only '^amlfs-lustre-client-dkms-' | awk '{{print $1}}' | sort -rV | head -n1)
-  [ -n "$dkms_pkg" ] || {{ log "no amlfs-lustre-client-dkms package in the AMLFS repository for ${{VERSION_CODENAME}}"; exit 1; }}
-  apt-get install -y -q "linux-headers-$(uname -r)" "$dkms_pkg"
-fi
-modprobe lustre || {{ log "the Lustre kernel module does not load on kernel $(uname -r)"; exit 1; }}
-
-# 3. Mount AMLFS. fstab as the AMLFS docs' automount example: _netdev (a network file system),
-#    x-systemd.automount (mounted on first access, so boot never waits for the MGS: systemd.mount(5)),
-#    nofail (an unreachable file system never drops the VM into emergency mode; the health check drains it).
-mkdir -p {MOUNT}
-sed -i '\\| {MOUNT} lustre |d' /etc/fstab
-echo '{n.mgs_address}@tcp:/lustrefs {MOUNT} lustre {FSTAB_OPTIONS} 0 0' >> /etc/fstab
-systemctl daemon-reload      # systemd-fstab-generator(8) turns the entry into {MOUNT_UNIT}.automount
-systemctl start {MOUNT_UNIT}.automount
-for i in $(seq 1 30); do
-  findmnt -n -t lustre {MOUNT} >/dev/null && break
-  timeout 60 stat -t {MOUNT}/ >/dev/null 2>&1 || sleep 10     # the first access mounts it
-done
-findmnt -n -t lustre {MOUNT} >/dev/null || {{ log "could not mount {MOUNT} from {n.mgs_address}@tcp"; exit 1; }}
-
-# 4. The toolkit: private blob, fetched with the node's managed identity, verified by sha256.
-#    Role assignments can take minutes to propagate: retry for up to ~15 minutes.
-#    The bearer token never appears on a command line (any user sees those in ps): python writes
-#    the whole header line into a mode-0600 file (mktemp(1)) and curl reads it with -H @file.
-fetch_toolkit() {{
-  local tarball=$1 tries=${{2:-90}} hdr ok=0 i
-  hdr=$(mktemp)
-  for i in $(seq 1 "$tries"); do
-    if curl -fsS -H Metadata:true "{IMDS_TOKEN}&client_id={n.identity_client_id}" \\
-         | python3 -c 'import json,sys; print("Authorization: Bearer " + json.load(sys.stdin)["access_token"])' > "$hdr" \\
-       && curl -fsS -o "$tarball" -H @"$hdr" -H "x-ms-version: 2021-08-06" "{n.tools_url}"; then
-      if echo "{n.tools_sha256}  $tarball" | sha256sum -c --status; then ok=1; break; fi
-      log "toolkit checksum mismatch; retrying"
-    fi
-    [ "$i" = "$tries" ] || sleep 10
-  done
-  rm -f "$hdr"
-  [ "$ok" = 1 ]
-}}
-mkdir -p /var/lib/tiered-ckpt
-fetch_toolkit /var/lib/tiered-ckpt/toolkit.tar.gz || {{ log "could not fetch the toolkit from {n.tools_url}"; exit 1; }}
-tarball=/var/lib/tiered-ckpt/toolkit.tar.gz
-rm -rf {VENV}/src && mkdir -p {VENV}/src
-tar -xzf "$tarball" -C {VENV}/src
-python3 -m venv {VENV}
-# Dependencies in pip's hash-checking mode from the lock the program ships (components/node_lock.py):
-# every wheel pinned and its sha256 checked, pip and the build backend included; then the toolkit
-# itself (already sha256-checked above) with no dependency resolution, no index and no build isolation.
-{VENV}/bin/pip install -q --require-hashes --only-binary=:all: -r {NODE_REQUIREMENTS}
-{VENV}/bin/pip install -q --no-deps --no-index --no-build-isolation {VENV}/src
-ln -sf {VENV}/bin/tiered-ckpt /usr/local/bin/tiered-ckpt
-"""
-
-
-def _bootstrap_tree(n: NodeInputs) -> str:
-    g, svc = n.training_group, SERVICE_USER
-    make_trainer = "" if n.training_user == n.admin_user else (
-        f"getent passwd {n.training_user} >/dev/null || useradd --uid {TRAINING_UID} --gid {g} --create-home --shell /bin/bash {n.training_user}\n")
-    timer = f"systemctl enable --now {UNIT}.timer\n" if n.retention else "# (not on this host)\n"
-    if n.role == ROLE_BYO:
-        timer = (f'if [ "$RETENTION" = 1 ]; then systemctl enable --now {UNIT}.timer; '
-                 f'else systemctl disable --now {UNIT}.timer 2>/dev/null || true; fi\n')
-    return f"""
-# 5. Users and the checkpoint root. Training ranks (user {n.training_user}, group {g}) write checkpoints;
-#    retention runs as the unprivileged system user {svc}, so a symlink or FIFO planted in the shared
-#    tree can never redirect a root-owned delete or write. Both groups get rwx through the default ACL
-#    (acl(5)): new checkpoint directories stay writable for every rank and for retention whatever the
-#    job's umask. setgid (2775): new directories inherit the training group.
-#    Fixed ids: every node mounts the same file system, so names must map to the same numbers everywhere.
-getent group {svc} >/dev/null || groupadd --system --gid {SERVICE_ID} {svc}
-getent passwd {svc} >/dev/null || useradd --system --uid {SERVICE_ID} --gid {svc} \\
-  --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin {svc}
-[ "$(getent group {svc} | cut -d: -f3)" = {SERVICE_ID} ] || {{ log "group {svc} exists with another gid than {SERVICE_ID}; every node must use the same"; exit 1; }}
-getent group {g} >/dev/null || groupadd --gid {TRAINING_GID} {g}
-[ "$(getent group {g} | cut -d: -f3)" = {TRAINING_GID} ] || {{ log "group {g} exists with another gid than {TRAINING_GID}; every node must use the same"; exit 1; }}
-{make_trainer}for u in {n.training_user} {n.admin_user} {svc}; do getent passwd "$u" >/dev/null && usermod -aG {g} "$u"; done
-mkdir -p {n.lustre_root}/{n.model}
-# A shared working directory for job files and training virtualenvs: sbatch runs the script on the
-# nodes from the submit directory, and home directories are per VM. Not under the checkpoint prefix,
-# so auto-export never copies it.
-install -d -g {g} -m 2775 {MOUNT}/{WORK_DIR}
-for d in {n.lustre_root} {n.lustre_root}/{n.model}; do
-  chown {n.training_user}:{g} "$d"
-  chmod 2775 "$d"
-  setfacl -m g:{g}:rwx,d:g:{g}:rwx,g:{svc}:rwx,d:g:{svc}:rwx "$d" || log "no ACL support on $d: training jobs must use umask 002"
-done
-
-# 6. Retention: once per cluster (the login node; in bring-your-own mode the one host given --retention).
-systemctl daemon-reload
-{timer}"""
-
-
-def _bootstrap_slurm(n: NodeInputs) -> str:
-    if n.slurm is None:
-        return ""
-    conf = n.slurm.conf
-    if n.role == ROLE_LOGIN:
-        daemon = f"""apt-get install -y -q munge slurmctld slurm-client
-systemd-tmpfiles --create /etc/tmpfiles.d/tiered-ckpt-slurm.conf     # {conf.run_dir} now, not only from the next boot
-{MUNGE_KEY_TOOL} init
-systemctl restart munge
-# slurmctld's state on Lustre: a replaced login VM picks up the queue where the old one left it.
-install -d -o {conf.slurm_user} -g {conf.slurm_user} -m 0750 {conf.state_dir}
-chown -R {conf.slurm_user}:{conf.slurm_user} {conf.state_dir}
-install -d -o {conf.slurm_user} -g {conf.slurm_user} {conf.log_dir}
-systemctl enable munge slurmctld
-systemctl restart slurmctld
-"""
-    else:
-        daemon = f"""apt-get install -y -q munge slurmd slurm-client
-systemd-tmpfiles --create /etc/tmpfiles.d/tiered-ckpt-slurm.conf     # {conf.run_dir} now, not only from the next boot
-{MUNGE_KEY_TOOL} fetch
-systemctl restart munge
-install -d -o root -g root {conf.log_dir} {conf.spool_dir}
-systemctl daemon-reload
-systemctl enable munge slurmd
-systemctl restart slurmd
-"""
-    return f"""
-# 7. Slurm. Ubuntu 24.04 ships Slurm 23.11, which has dynamic nodes (slurmd -Z, Slurm 22.05+): a node
-#    registers itself with the controller, so changing nodeCount never edits slurm.conf. The munge key
-#    comes from Key Vault with this VM's managed identity ({MUNGE_KEY_TOOL}); it is never in custom data.
-export DEBIAN_FRONTEND=noninteractive
-{daemon}systemctl enable --now {EVENTS_UNIT}.service
-"""
-
-
-SCRIPTS = Path(__file__).resolve().parent / "node_scripts"
 # ND v5 NCCL settings: what Microsoft's HPC image writes to /etc/nccl.conf for NDv5 (Azure/azhpc-images,
 # customizations/ndv5.sh: NCCL_IB_PCI_RELAXED_ORDERING=1, NCCL_TOPO_FILE, NCCL_IGNORE_CPU_AFFINITY=1) plus
 # the socket interface and device order of Azure's Megatron-on-Slurm examples (Azure/ai-infrastructure-on-azure:
@@ -352,75 +221,91 @@ def nccl_topo_file(vm_size: str) -> str:
     return ""
 
 
-def _retention_units(n: NodeInputs) -> list[dict[str, str]]:
-    # Not root (systemd.exec(5) User=/Group=): retention deletes in a tree other users can write.
-    # Lustre lets an unprivileged user ask only for HSM restores by default (the coordinator's
-    # user/group/other request masks are RESTORE; lfs-hsm(1), the Lustre manual's HSM chapter),
-    # and AMLFS does not expose those masks: `lfs hsm_release` needs CAP_SYS_ADMIN, so with
-    # action "release" the service keeps that one capability (ambient, nothing else). No
-    # capability bypasses file permissions (CAP_DAC_OVERRIDE, CAP_FOWNER are not granted).
-    # journald gets one JSON object per log line on stderr (--log-format json: model, checkpoint,
-    # operation, duration_s, bytes, outcome) and the run's result on stdout (--json). With
-    # metrics.textfile set in the node config, each run also rewrites that node-exporter textfile
-    # (its directory must be writable by the service user).
-    caps = ("AmbientCapabilities=CAP_SYS_ADMIN\nCapabilityBoundingSet=CAP_SYS_ADMIN\n" if n.action == "release"
-            else "AmbientCapabilities=\nCapabilityBoundingSet=\n")
-    service = f"""[Unit]
-Description=tiered-ckpt retention: free Lustre only for checkpoints proven archived
-After=network-online.target remote-fs.target
-Wants=network-online.target
-RequiresMountsFor={MOUNT}
-
-[Service]
-Type=oneshot
-User={SERVICE_USER}
-Group={SERVICE_USER}
-SupplementaryGroups={n.training_group}
-UMask=0002
-{caps}NoNewPrivileges=yes
-ProtectSystem=full
-ProtectHome=yes
-PrivateTmp=yes
-Environment=TIERED_CKPT_CONFIG={CONFIG_PATH}
-ExecStart={VENV}/bin/tiered-ckpt retention apply --json --log-format json
-"""
-    timer = f"""[Unit]
-Description=Run tiered-ckpt retention on a schedule (once per cluster: this host only)
-
-[Timer]
-OnCalendar={n.schedule}
-RandomizedDelaySec=60
-Persistent=true
-
-[Install]
-WantedBy=timers.target
-"""
-    return [{"path": f"/etc/systemd/system/{UNIT}.service", "permissions": "0644", "content": service},
-            {"path": f"/etc/systemd/system/{UNIT}.timer", "permissions": "0644", "content": timer}]
 
 
-def _healthcheck(n: NodeInputs) -> str:
-    # slurm.conf(5) HealthCheckProgram: slurmd runs it as root every HealthCheckInterval; it drains its own
-    # node, so no job starts on a node without the checkpoint file system or with GPUs missing.
-    return f"""#!/bin/bash
-# tiered-ckpt Slurm health check (generated by the Pulumi program; see components/cloud_init.py)
-PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-problems=()
-# stat first: {MOUNT} is an automount point (fstab x-systemd.automount), the access mounts it.
-if ! timeout 30 stat -t {MOUNT}/ >/dev/null 2>&1; then
-  problems+=("lustre {MOUNT} not responding")
-elif ! findmnt -n -t lustre {MOUNT} >/dev/null; then
-  problems+=("lustre {MOUNT} not mounted")
-fi
-gpus=$(timeout 60 nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
-[ "${{gpus:-0}}" -ge {n.gpus_per_node} ] || problems+=("${{gpus:-0}} of {n.gpus_per_node} GPUs visible")
-if [ ${{#problems[@]}} -gt 0 ]; then
-  reason="tiered-ckpt health: $(IFS=';'; echo "${{problems[*]}}")"
-  logger -t tiered-ckpt-healthcheck "$reason"
-  scontrol update nodename="$(hostname -s)" state=drain reason="$reason"
-fi
-exit 0
-"""
+def _script(name: str) -> str:
+    return (SCRIPTS / name).read_text()
+
+
+def _file(path: str, content: str, mode: str = "0644") -> dict[str, str]:
+    return {"path": path, "permissions": mode, "owner": "root:root", "content": content}
+
+
+def _packages(n: NodeInputs) -> list[str]:
+    """The Slurm packages this VM installs (Microsoft's slurm-smd*, at one version)."""
+    if n.slurm is None:
+        return []
+    return ["slurm-smd", "slurm-smd-client", "slurm-smd-slurmctld" if n.role == ROLE_LOGIN else "slurm-smd-slurmd"]
+
+
+def boot_settings(n: NodeInputs) -> dict[str, str]:
+    """Everything the scripts read from BOOT_ENV; plain strings."""
+    if n.secure_boot not in SECURE_BOOT_STATES:
+        raise ValueError(f"secure_boot must be one of {SECURE_BOOT_STATES}, got {n.secure_boot!r}")
+    if n.lustre_client not in LUSTRE_CLIENTS:
+        raise ValueError(f"lustre_client must be one of {LUSTRE_CLIENTS}, got {n.lustre_client!r}")
+    env = {
+        "ROLE": n.role, "IMDS": IMDS, "MOUNT": MOUNT, "MGS": n.mgs_address, "FSTAB_OPTIONS": FSTAB_OPTIONS,
+        "TIERED_SECURE_BOOT": {"on": "true", "off": "false"}.get(n.secure_boot, "unknown"),
+        "TIERED_LUSTRE_CLIENT": n.lustre_client,
+        "VENV": VENV, "NODE_REQUIREMENTS": NODE_REQUIREMENTS, "TOOLS_URL": n.tools_url, "TOOLS_SHA256": n.tools_sha256,
+        "IDENTITY_CLIENT_ID": n.identity_client_id,
+        "ADMIN_USER": n.admin_user, "TRAINING_USER": n.training_user, "TRAINING_GROUP": n.training_group,
+        "TRAINING_UID": str(TRAINING_UID), "TRAINING_GID": str(TRAINING_GID),
+        "SERVICE_USER": SERVICE_USER, "SERVICE_ID": str(SERVICE_ID), "WORK_DIR": WORK_DIR,
+        "LUSTRE_ROOT": n.lustre_root, "MODEL": n.model, "RECORDS_DIR": str(records.records_dir(n.lustre_root, n.model)),
+        "RETENTION": "1" if n.role == ROLE_LOGIN else "0",
+        "RETENTION_ACTION": n.action, "RETENTION_SCHEDULE": n.schedule,
+        "GPUS_PER_NODE": str(n.gpus_per_node if n.role == ROLE_NODE else 0),
+        "SLURM": "0",
+        # With the memory tier on, the events watcher writes the job's memory.notice_file first.
+        "MEMORY_NOTICE": MemoryConfig().notice_file if n.memory_keep and n.role == ROLE_NODE else "",
+    }
+    env.update(dict(n.security_env))
+    if env["TIERED_LUSTRE_CLIENT"] not in LUSTRE_CLIENTS:
+        raise ValueError(f"TIERED_LUSTRE_CLIENT must be one of {LUSTRE_CLIENTS}, got {env['TIERED_LUSTRE_CLIENT']!r}")
+    if n.slurm is not None:
+        c = n.slurm.conf
+        env.update({
+            "SLURM": "1", "SLURM_VERSION": n.slurm.version, "SLURM_PACKAGES": " ".join(_packages(n)), "SLURM_USER": c.slurm_user,
+            "SLURM_UID": str(slurm_conf.SLURM_UID), "SLURM_GID": str(slurm_conf.SLURM_UID),
+            "MUNGE_UID": str(slurm_conf.MUNGE_UID), "MUNGE_GID": str(slurm_conf.MUNGE_UID),
+            "SLURM_STATE_DIR": c.state_dir, "SLURM_SPOOL_DIR": c.spool_dir, "SLURM_LOG_DIR": c.log_dir,
+            "SLURMD_DEFAULTS": SLURMD_DEFAULTS, "MUNGE_KEY_TOOL": MUNGE_KEY_TOOL,
+            "VAULT_URL": n.slurm.vault_url, "MUNGE_SECRET": n.slurm.secret_name, "VAULT_CLIENT_ID": n.slurm.vault_client_id,
+        })
+    for k, v in env.items():
+        if "\n" in v or "\0" in v:
+            raise ValueError(f"boot setting {k} holds a line break: {v!r}")
+    return env
+
+
+def render_boot_env(n: NodeInputs) -> str:
+    """BOOT_ENV: one KEY='value' per line, shell-quoted (the scripts source it; nothing is substituted)."""
+    return "# tiered-ckpt boot settings (components/cloud_init.py); read by scripts/*\n" + "".join(
+        f"{k}={shlex.quote(v)}\n" for k, v in boot_settings(n).items())
+
+
+def boot_facts(custom_data: str) -> dict[str, str]:
+    """What a rendered #cloud-config's boot will install, for the plan: the Slurm packages and the Lustre
+    client path (from its BOOT_ENV; {} for a document without one)."""
+    doc = yaml.safe_load(custom_data) if custom_data.startswith("#cloud-config") else None
+    text = next((f["content"] for f in (doc or {}).get("write_files", []) if f.get("path") == BOOT_ENV), "")
+    env = {k: " ".join(shlex.split(v)) for k, _, v in (ln.partition("=") for ln in text.splitlines()) if k and not k.startswith("#")}
+    if not env:
+        return {}
+    sb = {"true": "on", "false": "off"}.get(env.get("TIERED_SECURE_BOOT", ""), "unknown")
+    client = env.get("TIERED_LUSTRE_CLIENT", "auto")
+    if client == "auto":
+        client = "dkms (image)" if sb == "off" else "signed kmod amlfs-lustre-client-<ver>=$(uname -r)"
+    elif client == "dkms":
+        client = "dkms (image)"
+    slurm = ",".join(f"{p}={env['SLURM_VERSION']}" for p in env.get("SLURM_PACKAGES", "").split()) or "none"
+    return {"secureBoot": sb, "lustreClient": client, "slurm": slurm}
+
+
+def _retention_units() -> list[dict[str, str]]:
+    return [_file(f"/etc/systemd/system/{UNIT}.{kind}", _script(f"systemd/{UNIT}.{kind}")) for kind in ("service", "timer")]
 
 
 def _slurm_files(n: NodeInputs) -> list[dict[str, str]]:
@@ -428,48 +313,21 @@ def _slurm_files(n: NodeInputs) -> list[dict[str, str]]:
         return []
     conf = n.slurm.conf
     files = [
-        {"path": "/etc/slurm/slurm.conf", "permissions": "0644", "content": slurm_conf.render_slurm_conf(conf)},
-        {"path": "/etc/slurm/gres.conf", "permissions": "0644", "content": slurm_conf.render_gres_conf(conf)},
-        {"path": "/etc/slurm/cgroup.conf", "permissions": "0644", "content": slurm_conf.render_cgroup_conf(conf)},
-        {"path": "/etc/tmpfiles.d/tiered-ckpt-slurm.conf", "permissions": "0644",
-         "content": f"d {conf.run_dir} 0755 {conf.slurm_user} {conf.slurm_user} -\n"},
-        {"path": MUNGE_KEY_TOOL, "permissions": "0755",
-         "content": (SCRIPTS / "munge_key.py").read_text().replace(
-             'ap.add_argument("--vault", required=True', f'ap.add_argument("--vault", default={n.slurm.vault_url!r}').replace(
-             'ap.add_argument("--secret", required=True', f'ap.add_argument("--secret", default={n.slurm.secret_name!r}').replace(
-             'ap.add_argument("--client-id", required=True', f'ap.add_argument("--client-id", default={n.slurm.vault_client_id!r}')},
-    ]
-    drain = " --drain" if n.role == ROLE_NODE else ""
-    files += [
-        {"path": EVENTS_TOOL, "permissions": "0755", "content": (SCRIPTS / "scheduled_events.py").read_text()},
-        {"path": f"/etc/systemd/system/{EVENTS_UNIT}.service", "permissions": "0644", "content": f"""[Unit]
-Description=tiered-ckpt: drain, unmount Lustre and acknowledge on an Azure Terminate/Preempt notice
-After=network-online.target remote-fs.target
-Wants=network-online.target
-
-[Service]
-ExecStart=/usr/bin/python3 {EVENTS_TOOL} --mount {MOUNT}{drain}
-Restart=always
-RestartSec=5
-
-[Install]
-WantedBy=multi-user.target
-"""},
+        _file("/etc/slurm/slurm.conf", slurm_conf.render_slurm_conf(conf)),
+        _file("/etc/slurm/gres.conf", slurm_conf.render_gres_conf(conf)),
+        _file("/etc/slurm/cgroup.conf", slurm_conf.render_cgroup_conf(conf)),
+        _file("/etc/tmpfiles.d/tiered-ckpt-slurm.conf", f"d {conf.run_dir} 0755 {conf.slurm_user} {conf.slurm_user} -\n"),
+        _file(MUNGE_KEY_TOOL, _script("munge-key.py"), "0755"),
+        _file(EVENTS_TOOL, _script("scheduled-events.py"), "0755"),
+        _file(f"/etc/systemd/system/{EVENTS_UNIT}.service", _script(f"systemd/{EVENTS_UNIT}.service")),
     ]
     if n.role == ROLE_NODE:
-        args = " ".join(f'"{a}"' if " " in a else a for a in slurm_conf.slurmd_args(conf))
-        files += [
-            {"path": HEALTHCHECK, "permissions": "0755", "content": _healthcheck(n)},
-            # A dynamic node (slurmd -Z) registers itself with its GRES and the partition's feature.
-            {"path": "/etc/systemd/system/slurmd.service.d/tiered-ckpt.conf", "permissions": "0644", "content": f"""[Unit]
-After=munge.service remote-fs.target
-RequiresMountsFor={MOUNT}
-
-[Service]
-ExecStart=
-ExecStart=/usr/sbin/slurmd -D -s {args}
-"""},
-        ]
+        files += [_file(HEALTHCHECK, _script("healthcheck.sh"), "0755"),
+                  _file(SLURMD_DEFAULTS, slurm_conf.render_slurmd_defaults(conf))]
+    else:
+        files += [_file(CLEANUP_TOOL, _script("slurm-cleanup.sh"), "0755")]
+        files += [_file(f"/etc/systemd/system/tiered-ckpt-slurm-cleanup.{k}", _script(f"systemd/tiered-ckpt-slurm-cleanup.{k}"))
+                  for k in ("service", "timer")]
     return files
 
 
@@ -477,16 +335,18 @@ def _nccl_profile(n: NodeInputs) -> list[dict[str, str]]:
     if not n.nccl_topo_file:
         return []
     lines = [f"export NCCL_TOPO_FILE={n.nccl_topo_file}"] + [f"export {k}={v}" for k, v in NCCL_ENV]
-    return [{"path": NCCL_PROFILE, "permissions": "0644",
-             "content": "# NCCL on ND InfiniBand nodes (tiered-ckpt; sbatch scripts source this file)\n" + "\n".join(lines) + "\n"}]
+    return [_file(NCCL_PROFILE, "# NCCL on ND InfiniBand nodes (tiered-ckpt; sbatch scripts source this file)\n"
+                  + "\n".join(lines) + "\n")]
 
 
 def files(n: NodeInputs) -> list[dict[str, str]]:
     """Every file the VM gets (cloud-init write_files entries), the bootstrap last."""
-    out = [{"path": CONFIG_PATH, "permissions": "0644", "owner": "root:root", "content": dump(node_config(n))},
-           {"path": NODE_REQUIREMENTS, "permissions": "0644", "owner": "root:root", "content": node_lock.LOCK.read_text()}]
-    out += (_retention_units(n) if n.retention else []) + _slurm_files(n) + _nccl_profile(n)
-    out.append({"path": BOOTSTRAP, "permissions": "0755", "content": _bootstrap(n)})
+    out = [_file(CONFIG_PATH, dump(node_config(n))),
+           _file(NODE_REQUIREMENTS, node_lock.LOCK.read_text()),
+           _file(BOOT_ENV, render_boot_env(n)),
+           _file(BOOT_LIB, _script("lib/boot-common.sh"))]
+    out += (_retention_units() if n.retention else []) + _slurm_files(n) + _nccl_profile(n)
+    out.append(_file(BOOTSTRAP, _script("bootstrap-login.sh" if n.role == ROLE_LOGIN else "bootstrap-node.sh"), "0755"))
     return out
 
 
@@ -523,9 +383,6 @@ def bootstrap_script(n: NodeInputs) -> str:
 #                               sudo bash tiered-ckpt-bootstrap.sh --retention
 # (CycleCloud: the scheduler node; AKS: one node of one pool, or run `tiered-ckpt retention apply` as a CronJob.)
 set -euo pipefail
-RETENTION=0
-[ "${{1:-}}" = --retention ] && RETENTION=1
-export RETENTION
 apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q {' '.join(PACKAGES)}
 """]
     for i, f in enumerate(files(n)):
@@ -534,12 +391,13 @@ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q {' '.j
             raise ValueError(f"{f['path']}: content holds the heredoc marker {marker}")
         parts.append(f"install -D -m {f['permissions']} /dev/stdin {f['path']} <<'{marker}'\n{f['content']}"
                      f"{'' if f['content'].endswith(chr(10)) else chr(10)}{marker}\n")
-    parts.append(f"exec {BOOTSTRAP}\n")
+    parts.append(f'exec {BOOTSTRAP} "$@"\n')
     return "".join(parts)
 
 
 def encode(text: str) -> str:
-    """Base64 as ARM expects customData; refuses to exceed Azure's limit."""
+    """Base64 as ARM expects customData; refuses to exceed Azure's limit (the compute REST spec, osProfile
+    customData: "The maximum length of the binary array is 65535 bytes", the decoded document)."""
     raw = text.encode()
     if len(raw) > CUSTOM_DATA_LIMIT:
         raise ValueError(f"custom data is {len(raw)} bytes, above Azure's {CUSTOM_DATA_LIMIT}-byte limit")

@@ -331,6 +331,16 @@ def security_profile(sec: VmSecurity) -> compute.SecurityProfileArgs:
     return compute.SecurityProfileArgs(security_type=STANDARD_SECURITY_TYPE)
 
 
+def boot_security(s: Settings, role: str) -> tuple[tuple[str, str], ...]:
+    """What this VM's boot is told about its security profile: VmSecurity.boot_env() (components/vm_security.py
+    decides it; nothing for a cluster you bring). The boot checks the real state with `mokutil --sb-state`
+    and stops with one message if it contradicts this (scripts/lib/boot-common.sh)."""
+    if role == cloud_init.ROLE_BYO:
+        return ()
+    sec = s.login_security if role == cloud_init.ROLE_LOGIN else s.node_security
+    return tuple(sorted(sec.boot_env().items()))
+
+
 def tools_network_rules(s: Settings, subnet_id: pulumi.Input[str]) -> storage.NetworkRuleSetArgs:
     """The tools account's firewall. `pulumi up` uploads the toolkit blob from the operator's machine over
     the data plane, so with toolsUploadCidr unset it must stay open to every network (the blob is still
@@ -383,6 +393,7 @@ def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any], *,
     return cloud_init.NodeInputs(
         role=role, slurm=slurm, admin_user=s.admin_username, training_user=s.training_user, training_group=s.training_group,
         nccl_topo_file=cloud_init.nccl_topo_file(s.vm_size) if role == cloud_init.ROLE_NODE else "",
+        security_env=boot_security(s, role),
         gpus_per_node=slurm_conf.ND_GPUS_PER_NODE,
         mgs_address=v["mgs"], account_url=v["endpoint"].rstrip("/"), data_container=v["container"],
         blob_prefix=s.blob_prefix, lustre_root=s.lustre_root, model=s.model_name, nodes=s.node_count,
@@ -390,5 +401,7 @@ def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any], *,
         autoexport_job=v["job"], provisioned_gbps=float(v["gbps"]), keep_last=s.retention_keep_last,
         keep_every_steps=s.retention_keep_every_steps, min_keep=s.retention_min_keep, action=s.retention_action,
         schedule=s.retention_schedule,
+        memory_keep=s.memory_keep,
+        memory_budget_bytes=int(s.memory_keep * 2 * s.checkpoint_size_gib * (1 << 30) // max(1, s.node_count)),
         tools_url=f"{v['tools_endpoint'].rstrip('/')}/{v['tools_container']}/{v['blob_name']}",
         tools_sha256=toolkit.sha256)

@@ -1,6 +1,7 @@
 """The node venv's dependency lock: every wheel pip may install on a node, pinned and hashed.
 
-pyproject.toml pins the toolkit's direct dependencies (the one place versions live); this lock adds
+constraints.txt pins the toolkit's direct dependencies (the one place versions live; pyproject.toml
+declares their ranges); this lock adds
 their transitive closure and the sha256 of each wheel, so the bootstrap runs pip in hash-checking
 mode (`pip install --require-hashes`, pip's "Secure installs" docs): a tampered or substituted wheel
 on the index fails the install, as the toolkit tarball's own sha256 check does.
@@ -31,6 +32,7 @@ else:                           # Python 3.10 (requires-python >= 3.10): tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK = Path(__file__).resolve().parent / "node-requirements.txt"
+CONSTRAINTS = REPO / "constraints.txt"      # the project's lock: exact versions of every direct dependency
 PYTHONS = ("3.10", "3.11", "3.12")
 # manylinux tags the x86_64 ND/login images satisfy (glibc 2.35 on 22.04, 2.39 on 24.04).
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64",
@@ -46,15 +48,26 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def pyproject_pins(pyproject: Path = REPO / "pyproject.toml") -> dict[str, str]:
-    """The toolkit's runtime pins ([project] dependencies), normalized name -> version."""
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+def pyproject_pins(pyproject: Path = REPO / "pyproject.toml", constraints: Path = CONSTRAINTS) -> dict[str, str]:
+    """The toolkit's runtime dependencies ([project] dependencies, declared as ranges) at the exact
+    versions the project's lock pins (constraints.txt), normalized name -> version. ValueError when
+    one has no pin there or its pin is outside the declared range."""
+    from packaging.requirements import Requirement
+
+    deps = [Requirement(d) for d in tomllib.loads(pyproject.read_text())["project"]["dependencies"]]
+    locked: dict[str, str] = {}
+    for line in constraints.read_text().splitlines():
+        m = _REQ.match(line.strip())
+        if m:
+            locked[normalize(m.group(1))] = m.group(2)
     pins: dict[str, str] = {}
-    for d in deps:
-        m = _REQ.match(d)
-        if not m:
-            raise ValueError(f"pyproject.toml dependency {d!r} is not pinned with ==")
-        pins[normalize(m.group(1))] = m.group(2)
+    for r in deps:
+        n = normalize(r.name)
+        if n not in locked:
+            raise ValueError(f"pyproject.toml dependency {str(r)!r} is not pinned with == in {constraints.name}")
+        if not r.specifier.contains(locked[n], prereleases=True):
+            raise ValueError(f"{constraints.name} pins {n}=={locked[n]}, outside pyproject.toml's range {str(r)!r}")
+        pins[n] = locked[n]
     return pins
 
 

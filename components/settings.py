@@ -63,6 +63,19 @@ ND_ETHERNET_GBITS: dict[str, int] = {
     "Standard_ND96asr_v4": 24,
 }
 
+# Host RAM per ND size in GiB (Microsoft's size pages, e.g. learn.microsoft.com/azure/virtual-machines/sizes/
+# gpu-accelerated/nd-h100-v5-series and nd-h200-v5-series; ND A100 v4 and NDm A100 v4 pages): what the memory
+# tier's tmpfs is checked against.
+ND_RAM_GIB: dict[str, int] = {
+    "Standard_ND96isr_H100_v5": 1900,
+    "Standard_ND96isr_H200_v5": 1850,
+    "Standard_ND96amsr_A100_v4": 1900,
+    "Standard_ND96asr_v4": 900,
+}
+# The memory tier lives in /dev/shm, a tmpfs the kernel sizes at half the RAM by default (tmpfs(5):
+# "size ... The default is half of your physical RAM"); the other half is the training processes'.
+MEMORY_TIER_RAM_FRACTION = sizing.MEMORY_RAM_FRACTION
+
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 SQUASH_MODES = ("None", "RootOnly", "All")
 RETENTION_ACTIONS = ("delete", "release")
@@ -195,8 +208,15 @@ class Settings:
         "Number of GPU nodes.")
     node_ethernet_gbps: int = key("nodeEthernetGbps", 0,
         "Per-node Ethernet in Gbit/s for the sizing model; 0 = known value for the VM size.")
-    storage_sku: str = key("storageSku", "Standard_LRS",
-        "Storage account redundancy (Standard_*; archive tiering needs LRS/GRS/RA-GRS).")
+    # Zone-redundant by default: the archive is the only durable copy of every checkpoint, and the
+    # file system is zonal (`zone`), so a zone outage must not take the archive with it. AMLFS blob
+    # integration accepts every Standard redundancy (LRS, ZRS, GRS, RA-GRS, GZRS, RA-GZRS; Premium
+    # block blob LRS/ZRS): https://learn.microsoft.com/azure/azure-managed-lustre/amlfs-prerequisites
+    # ("Supported storage account types"). The lifecycle tiers to Cool/Cold only, which ZRS supports
+    # (the Archive tier, which it does not, is never used). GZRS adds an asynchronous copy in the
+    # paired region, for a disaster-recovery plan that has compute there too.
+    storage_sku: str = key("storageSku", "Standard_ZRS",
+        "Storage account redundancy of the archive (the only durable copy): Standard_ZRS (default, survives a zone outage), Standard_GZRS for a second region, Standard_LRS for a throw-away stack.")
     checkpoint_prefix: str = key("checkpointPrefix", "/checkpoints",
         "Absolute Lustre path of the checkpoint root under /lustrefs; also the blob prefix exported and imported.")
     model_name: str = key("modelName", "default",
@@ -225,6 +245,8 @@ class Settings:
         "Node retention: never go below N committed checkpoints on Lustre.")
     retention_action: str = key("retentionAction", "release",
         "Node retention action for archived checkpoints: release (keep namespace, free data) or delete.")
+    memory_keep: int = key("memoryKeep", 0,
+        "Memory tier: newest checkpoints kept per rank in node RAM (/dev/shm/tiered-ckpt), each replicated to a peer node; 0 = off. The plan checks memoryKeep x 2 copies of a node's share against the VM's RAM.")
     retention_schedule: str = key("retentionSchedule", "*:0/15",
         "systemd OnCalendar schedule of the retention timer.")
     rp_principal_object_id: str = key("rpPrincipalObjectId", "",
@@ -248,6 +270,11 @@ class Settings:
     def login_security(self) -> vm_security.VmSecurity:
         """The login VM's security profile and boot path."""
         return vm_security.vm_security(self.login_vm_size, self.trusted_launch)
+
+    @property
+    def vm_ram_gib(self) -> int:
+        """Host RAM of the GPU node size (0 when the size is not in ND_RAM_GIB)."""
+        return ND_RAM_GIB.get(self.vm_size, 0)
 
     @property
     def amlfs_name(self) -> str:
@@ -550,7 +577,7 @@ def _check_modes(s: dict[str, Any]) -> Problems:
 
 
 def _check_toolkit(s: dict[str, Any]) -> Problems:
-    for name, minimum in (("retentionKeepLast", 1), ("retentionMinKeep", 1), ("retentionKeepEverySteps", 0)):
+    for name, minimum in (("retentionKeepLast", 1), ("retentionMinKeep", 1), ("retentionKeepEverySteps", 0), ("memoryKeep", 0)):
         if s[name] < minimum:
             yield _fail(name, s[name], f"is below {minimum}", f"set a whole number >= {minimum}")
     if s["retentionAction"] not in RETENTION_ACTIONS:
@@ -652,6 +679,12 @@ def check_sizing(s: Settings) -> sizing.Sizing:
         problems.append(SettingsError(
             f"tiered:capacityTiB: {s.capacity_tib} cannot hold the resident retention set ({z.resident_checkpoints} x "
             f"{s.checkpoint_size_gib} GiB = {z.resident_tib:.1f} TiB); raise capacityTiB or lower tiered:retentionKeepLast"))
+    if not z.memory_fits:
+        problems.append(SettingsError(
+            f"tiered:memoryKeep: {s.memory_keep} needs a {z.memory_tmpfs_gib:.0f} GiB tmpfs per node ({s.memory_keep} x 2 copies "
+            f"of a {z.memory_node_share_gib:.0f} GiB node share: own + the peer's replica), more than the "
+            f"{MEMORY_TIER_RAM_FRACTION:.0%} of the {z.vm_ram_gib} GiB of {s.vm_size} RAM that /dev/shm gets; lower "
+            "tiered:memoryKeep, add nodes (tiered:nodeCount) or set it to 0 (no memory tier)"))
     if problems:
         raise SettingsError.of(problems)
     return z

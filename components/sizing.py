@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 GIB = 1 << 30
 TIB = 1 << 40
+# The memory tier's tmpfs (/dev/shm) is half the RAM by default (tmpfs(5)): settings.MEMORY_TIER_RAM_FRACTION.
+MEMORY_RAM_FRACTION = 0.5
 
 
 class _Sku(Protocol):
@@ -38,6 +40,10 @@ class Inputs(Protocol):
     def retention_keep_last(self) -> int: ...
     @property
     def retention_min_keep(self) -> int: ...
+    @property
+    def memory_keep(self) -> int: ...
+    @property
+    def vm_ram_gib(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,12 @@ class Sizing:
     resident_tib: float
     capacity_tib: int
     capacity_ok: bool
+    # The memory tier (memory_keep > 0): per node, keep x 2 copies (own + the peer's replica) of its share.
+    memory_keep: int = 0
+    memory_node_share_gib: float = 0.0
+    memory_tmpfs_gib: float = 0.0
+    vm_ram_gib: int = 0
+    memory_fits: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -74,6 +86,8 @@ def compute(s: Inputs) -> Sizing:
     backlog = math.ceil(archive / s.checkpoint_interval_seconds)
     resident = max(s.retention_keep_last, s.retention_min_keep) + backlog + 1
     resident_tib = resident * size_bytes / TIB
+    share = s.checkpoint_size_gib / max(1, s.node_count)
+    tmpfs = s.memory_keep * 2 * share
     return Sizing(
         provisioned_gbps=provisioned,
         nodes_ethernet_gbps=nodes_eth,
@@ -90,6 +104,12 @@ def compute(s: Inputs) -> Sizing:
         resident_tib=resident_tib,
         capacity_tib=s.capacity_tib,
         capacity_ok=resident_tib <= s.capacity_tib,
+        memory_keep=s.memory_keep,
+        memory_node_share_gib=share,
+        memory_tmpfs_gib=tmpfs,
+        vm_ram_gib=s.vm_ram_gib,
+        # Unknown RAM (a size outside the table) is not refused here; the node boot's df tells.
+        memory_fits=s.memory_keep == 0 or not s.vm_ram_gib or tmpfs <= MEMORY_RAM_FRACTION * s.vm_ram_gib,
     )
 
 
@@ -103,4 +123,7 @@ def report(z: Sizing) -> list[tuple[str, str]]:
         ("archive one checkpoint", f"{z.archive_seconds:.1f} s at {z.data_mover_gbps:g} GB/s"),
         ("checkpoint interval", f"{z.interval_seconds} s ({'archive keeps up' if z.archive_keeps_up else 'BACKLOG GROWS'})"),
         ("resident retention set", f"{z.resident_checkpoints} checkpoints = {z.resident_tib:.1f} TiB of {z.capacity_tib} TiB"),
+        ("memory tier per node", "off (tiered:memoryKeep 0)" if not z.memory_keep else
+         f"{z.memory_tmpfs_gib:.0f} GiB tmpfs = {z.memory_keep} x 2 copies of a {z.memory_node_share_gib:.0f} GiB node share, "
+         f"of {z.vm_ram_gib or '?'} GiB RAM ({'fits' if z.memory_fits else 'DOES NOT FIT'} in /dev/shm's half)"),
     ]

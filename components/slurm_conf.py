@@ -41,6 +41,16 @@ DEFAULT_CTLD_PORT = 6817
 DEFAULT_SLURMD_PORT = 6818
 # ND H100 v5 / H200 v5: 8 GPUs per VM (Azure docs, "ND H100 v5-series").
 ND_GPUS_PER_NODE = 8
+# Slurm on the VMs: Microsoft's slurm-smd* packages (packages.microsoft.com/repos/slurm-ubuntu-noble), at
+# this one version on every VM; the version CycleCloud's installer supports (Azure/cyclecloud-slurm README,
+# "Supported Slurm and PMIX versions": 25.05.2), as the Debian revision SchedMD's packaging gives it
+# (SchedMD debian/changelog: "slurm-smd (25.05.2-1)").
+SLURM_VERSION = "25.05.2-1"
+# Fixed uid = gid of the slurm and munge users, CycleCloud's defaults (Azure/cyclecloud-slurm
+# azure-slurm-install/install.py: slurm 11100, munge 11101): slurmd rejects RPCs from a SlurmUser uid that
+# differs between hosts ("Security violation", the same README's "UID conflicts" section).
+SLURM_UID = 11100
+MUNGE_UID = 11101
 
 
 @dataclass(frozen=True)
@@ -198,3 +208,19 @@ def node_conf(i: SlurmConfInputs) -> str:
 def slurmd_args(i: SlurmConfInputs) -> list[str]:
     """slurmd's arguments on an ND node: register dynamically with GRES and the partition's feature."""
     return ["-Z", "--conf", node_conf(i)]
+
+
+def render_slurmd_defaults(i: SlurmConfInputs) -> str:
+    """/etc/default/slurmd with slurmd_args(i) as SLURMD_OPTIONS.
+
+    The packaged unit (Slurm 23.11+, SchedMD etc/slurmd.service.in) stays as it is: Type=notify,
+    EnvironmentFile=-/etc/default/slurmd, ExecStart=slurmd --systemd $SLURMD_OPTIONS. systemd reads the
+    single-quoted value whole and splits the unbraced $SLURMD_OPTIONS at whitespace, honouring the double
+    quotes (systemd.service(5), "Command lines"), so --conf gets one argument.
+    """
+    words = []
+    for a in slurmd_args(i):
+        if any(c in a for c in "'\"\\$`"):
+            raise ValueError(f"slurmd argument {a!r} holds a quote, backslash or $")
+        words.append(f'"{a}"' if any(c.isspace() for c in a) else a)
+    return f"# tiered-ckpt: a dynamic node (slurmd -Z) with its GRES and feature (components/slurm_conf.py)\nSLURMD_OPTIONS='{' '.join(words)}'\n"

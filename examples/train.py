@@ -14,6 +14,9 @@ What it does, in order (docs/cluster.md explains why):
    checkpoint anywhere: start at step 0.
 3. Train; every --save-every steps an async DCP save through TieredWriter (thread mode); the
    previous save is waited for before the next one starts (one in flight, bounded memory).
+   With the memory tier on (memory.dir in the node config) and --memory-every M, every M-th step
+   in between is saved to node RAM with a peer replica (tiered_ckpt.memory_tier, docs/memory.md),
+   and a restart first tries memory, then the peer, then step 2's restore.
 4. SIGTERM (scancel, preemption, `scontrol requeue`, or the batch script forwarding the time-limit
    warning): every rank notes it; the ranks agree at the next step boundary (all_reduce MAX), wait
    for the save in flight, save the current step if it is newer, and exit 0. Slurm then requeues
@@ -45,9 +48,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.nn.parallel import DistributedDataParallel
 
 from tiered_ckpt import config as config_mod
+from tiered_ckpt import memory_tier
 from tiered_ckpt.dcp import TieredReader, TieredWriter
 from tiered_ckpt.errors import EXIT_FAILED
-from tiered_ckpt.naming import require_name
+from tiered_ckpt.naming import make_id, require_name
 
 # What `tiered-ckpt restore --latest` says when neither tier holds a committed checkpoint
 # (lifecycle/restore.py, choose()): a first start, not an error.
@@ -106,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-every", type=int, default=100, metavar="K", help="checkpoint every K steps")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to idle per step (tests: a slow model)")
     ap.add_argument("--no-save-on-term", action="store_true", help="on SIGTERM only finish the save in flight")
+    ap.add_argument("--memory-every", type=int, default=0, metavar="M",
+                    help="also save to the memory tier every M steps (needs memory.dir in the node config; 0 = off)")
     args = ap.parse_args(argv)
 
     signal.signal(signal.SIGTERM, _on_term)
@@ -128,10 +134,29 @@ def main(argv: list[str] | None = None) -> int:
     model = DistributedDataParallel(build_model(device), device_ids=[device.index] if use_cuda else None)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
+    use_memory = bool(args.memory_every and cfg.memory.dir)
+    if args.memory_every and not cfg.memory.dir:
+        log(rank, "memory tier off (no memory.dir in the node config)")
+
     # -- resume ---------------------------------------------------------------------------------
-    choice: list[str | None] = [restore_latest(cfg_path) if rank == 0 else None]
-    dist.broadcast_object_list(choice, src=0, group=ckpt_pg)
     start = 0
+    from_memory = None
+    if use_memory:
+        def load_copy(root: Any, name: str) -> None:
+            msd, osd = get_state_dict(model, optim)
+            st: dict[str, Any] = {"model": msd, "optim": osd}
+            reader = TieredReader(root, cfg.model, name=name, config=cfg.with_overrides(io={"direct": False}))
+            dcp.load(st, storage_reader=reader, no_dist=True)
+            set_state_dict(model, optim, model_state_dict=st["model"], optim_state_dict=st["optim"])
+
+        from_memory = memory_tier.restore(cfg, load_copy)
+    choice: list[str | None] = [None]
+    if from_memory is not None:
+        start = require_name(from_memory[0].name, cfg.naming).step
+        log(rank, "resumed", step=start, name=from_memory[0].name, tier=from_memory[0].tier)
+    else:
+        choice = [restore_latest(cfg_path) if rank == 0 else None]
+        dist.broadcast_object_list(choice, src=0, group=ckpt_pg)
     if choice[0] is not None:
         msd, osd = get_state_dict(model, optim)
         state: dict[str, Any] = {"model": msd, "optim": osd}
@@ -139,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = require_name(choice[0], cfg.naming).step
         log(rank, "resumed", step=start, name=choice[0])
-    else:
+    elif from_memory is None:
         log(rank, "fresh start", step=0)
     log(rank, "started", world=world, device=device.type, restarts=os.environ.get("SLURM_RESTART_COUNT", "0"))
 
@@ -186,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_sleep)
         if step % args.save_every == 0:
             save(step, asynchronous=True)
+        elif use_memory and step % args.memory_every == 0:
+            msd, osd = get_state_dict(model, optim)
+            memory_tier.save({"model": msd, "optim": osd}, cfg, make_id(0, step, cfg.naming), persist=False)
+            log(rank, "saved to memory", step=step)
         # Every rank stops at the same step: whoever saw SIGTERM tells the others.
         stop.fill_(1.0 if _term else 0.0)
         # (the training group: the checkpoint group may be busy with the async save's collectives)

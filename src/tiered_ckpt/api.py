@@ -124,7 +124,7 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
            root: str | Path | None, model: str | None, config: config_mod.NodeConfig | None,
            rank: int | None, world_size: int | None, group: Any, save_id: str | None, options: IoOptions,
            pool_kind: str, progress: Callable[[int], None] | None,
-           replicated: Collection[str] | None = None,
+           replicated: Collection[str] | None = None, archive_check: str = "required",
            made: dict[str, Any] | None = None,
            stage: Callable[[list[Source], WriteOptions, config_mod.IoConfig],
                            tuple[list[Source], staging.BlockPool, bool]] | None = None
@@ -135,7 +135,7 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
     comm = detect(rank, world_size, group, timeout=options.barrier_timeout)
     made = {} if made is None else made
 
-    def build() -> str | None:
+    def build() -> tuple[str, str] | None:
         # Everything that can fail on one rank runs inside the agreement: the other ranks learn of
         # it (and fail too) instead of waiting for this one.
         cfg = made["cfg"] = _cfg(config, root, model)
@@ -159,7 +159,8 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
                                        overwrite_incomplete=options.overwrite_incomplete, save_id=save_id,
                                        progress=progress, structure=structure, replicated=record,
-                                       name_check=reuse.checks_for(cfg.root, cfg.model, cid.name, cfg.archive))
+                                       name_check=reuse.checks_for(cfg.root, cfg.model, cid.name, cfg.archive,
+                                                                   archive_check))
         s.start_in_produce = background
         return s.prepare_local()
 
@@ -200,7 +201,7 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
          root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
          rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
          options: IoOptions = _DEFAULT, progress: Callable[[int], None] | None = None,
-         replicated: Collection[str] | None = None) -> SaveResult:
+         replicated: Collection[str] | None = None, archive_check: str = "required") -> SaveResult:
     """Write `state` as checkpoint global_epoch{E}_step{S} (or the model's `naming:` scheme, e.g.
     step-{N} from step= alone); returns once committed.
 
@@ -217,6 +218,11 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
     every rank's load() returns them. Each rank hashes them first; if they differ between ranks
     the save fails with an error naming the entry and nothing is committed.
 
+    A name committed here or in the archive is refused (ConflictError). Where an archive is
+    configured and cannot be asked, the save is refused too (UnavailableError, nothing written),
+    unless archive_check="best_effort": then it goes on with a warning (docs/io.md, "Names that
+    already exist", says what that risks).
+
     What else runs, on rank 0 after the commit: one line appended to the model's record
     (`tiered-ckpt metrics`), and, when metrics.textfile is set, a daemon thread that rewrites the
     node-exporter textfile: it lists the archive in Blob and, on AMLFS, runs `lfs hsm_state` and
@@ -230,7 +236,7 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
     try:
         s, cfg = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
                         world_size=world_size, group=group, save_id=save_id, options=options, pool_kind="sync",
-                        progress=progress, replicated=replicated, made=made)
+                        progress=progress, replicated=replicated, archive_check=archive_check, made=made)
     except BaseException as e:
         _failed("save", *_known(made, model, name), called, e)
         raise
@@ -334,7 +340,8 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
                root: str | Path | None = None, model: str | None = None, config: config_mod.NodeConfig | None = None,
                rank: int | None = None, world_size: int | None = None, group: Any = None, save_id: str | None = None,
                options: IoOptions = _DEFAULT, zero_copy: bool = False,
-               progress: Callable[[int], None] | None = None, replicated: Collection[str] | None = None) -> SaveHandle:
+               progress: Callable[[int], None] | None = None, replicated: Collection[str] | None = None,
+               archive_check: str = "required") -> SaveHandle:
     """Start a save; returns once the buffers are snapshotted into the staging area.
 
     The staging area (io.pools.staging_area) holds what this save needs, no more: it grows the
@@ -347,7 +354,8 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
     failure if neither wait() nor exception() was called). With zero_copy=True nothing is
     snapshotted and the call returns at once (the save streams through the sync buffer); the
     caller must not touch its buffers until wait() returns (a size change is detected and fails
-    the save; nothing is committed). replicated= as for save() (hashed before the call returns).
+    the save; nothing is committed). replicated= and archive_check= as for save() (replicated
+    buffers are hashed before the call returns).
     """
     called = time.monotonic()
     _previous_outcome()      # the previous save's unseen failure is its own, not logged as this one's
@@ -365,7 +373,7 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
     try:
         s, cfg = _begin(state, epoch=epoch, step=step, name=name, root=root, model=model, config=config, rank=rank,
                         world_size=world_size, group=group, save_id=save_id, options=_require_options(options),
-                        pool_kind="sync", progress=progress, replicated=replicated,
+                        pool_kind="sync", progress=progress, replicated=replicated, archive_check=archive_check,
                         stage=None if zero_copy else stage, made=made)
         # Staged copies are written in the background; a state beyond the budget streams from the caller's thread.
         fut = writer.run_async(s, zero_copy or not snaps[0].streaming)

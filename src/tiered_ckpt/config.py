@@ -256,6 +256,33 @@ class MetricsConfig:
     addr: Text = "127.0.0.1"           # ... on this address (0.0.0.0 to let a Prometheus on another host scrape)
 
 
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The node-local memory tier (tiered_ckpt.tiers.memory, docs/memory.md): a tmpfs directory
+    holding each rank's newest checkpoints, replicated to a peer node's, persisted to `root` every
+    persist_every-th save. RAM is not durable: whole-cluster loss falls back to AMLFS, then Blob."""
+
+    __pydantic_config__ = _SECTION
+    # Node-local tmpfs directory (the node boot mounts and sizes it, e.g. /dev/shm/tiered-ckpt);
+    # None = no memory tier (save_training(tier="memory") then asks for it; loads skip it).
+    dir: Root | None = None
+    keep: PositiveInt = 2                # newest checkpoints kept per rank (own copies; replicas alike)
+    # Bytes this node's memory tier may hold (own copies + the peer's replicas); 0 = no limit
+    # beyond the tmpfs itself. A save that cannot fit after evicting older copies fails clearly.
+    budget_bytes: Size = 0
+    persist_every: PositiveInt = 10      # every N-th memory save is also persisted to `root`
+    # Nodes between a node and the one holding its replica (ring by node index); 0 = no replica.
+    # Pick a distance that puts the peer in another fault domain where the platform says which.
+    peer_distance: NonNegativeInt = 1
+    # A file whose appearance (the Scheduled Events watcher writes it) makes the next memory save,
+    # or tiered_ckpt.memory_tier.flush(), persist the newest memory checkpoint to `root` at once.
+    notice_file: Text = "/run/tiered-ckpt/preempt"
+    # Seconds a rank waits for the others in a memory save's agreement, a replica transfer or the
+    # restore's agreement before giving up (a dead peer fails them after this long, not gloo's 30 min).
+    timeout: Annotated[Duration, _rule(lambda v: 0 < v <= 3600, "must be seconds between 0 and 3600 (e.g. 300s)")] \
+        = 300.0
+
+
 # Not settings: where the configuration came from (for messages and help), never read from a file.
 _ORIGIN_FIELDS = ("source", "given")
 
@@ -275,6 +302,7 @@ class NodeConfig:
     amlfs: AmlfsConfig = field(default_factory=AmlfsConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     source: str | None = None         # the file this was loaded from, for messages
     # The settings that file set ("io.threads", ...): help says which defaults come from it.
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -524,4 +552,6 @@ def dump(cfg: NodeConfig) -> str:
         d.pop("naming")           # configs written before `naming:` existed stay byte-identical
     if cfg.metrics == MetricsConfig():
         d.pop("metrics")          # likewise before `metrics:`
+    if cfg.memory == MemoryConfig():
+        d.pop("memory")           # ... and before `memory:`
     return yaml.safe_dump(d, sort_keys=False)

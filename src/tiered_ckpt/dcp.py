@@ -13,10 +13,13 @@ bytes DCP serialized) into a few shard files under their final names
 the toolkit's write pipeline (io/pipeline.py: page-aligned pool blocks, O_DIRECT, one writer
 thread per file, xxh3-128 inline, fsync; small items share blocks instead of costing a system
 call each). The coordinator then writes DCP's pickled Metadata as ``dcp.<sid>.metadata`` (its
-save id; final name, fsynced; not a dot-name, which the exporter skips) and last
-``COMMITTED.json`` listing every file with its size and hash. The coordinator holds the
-checkpoint name's lock from planning to the marker and refuses a name that is already
-committed; a save that fails releases it (at once when the coordinator's own write failed,
+save id; final name, fsynced; not a dot-name, which the exporter skips; only DCP's classes and
+builtins inside, so it unpickles without this package: docs/training.md) and last
+``COMMITTED.json`` listing every file with its size and hash. The coordinator claims the name
+through io/claim.py, the one claim-and-commit path `tc.save` takes too: the name's lock from
+planning to the marker, a name committed here or in the archive refused (and one the archive
+cannot be asked about, unless archive_check="best_effort"), stale files of never-committed saves
+removed, the marker written last; a save that fails releases it (at once when the coordinator's own write failed,
 else when the writer is reset, closed or no longer referenced — the next claim of the name in
 this process collects such writers first).
 
@@ -42,22 +45,26 @@ here (and in dcp_stage) only: the rest of the toolkit works without it.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import gc
+import heapq
 import io
 import logging
+import math
 import os
 import pickle
 import threading
 import time
 import weakref
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -69,27 +76,37 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered_ckpt import dcp_stage
-from tiered_ckpt.config import IoConfig, NodeConfig
+from tiered_ckpt import dcp_stage, records
+from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
+from tiered_ckpt.config import load as load_config
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fill, fsafe, lock, pools
+from tiered_ckpt.io.claim import Claim
 from tiered_ckpt.io.fill import Pieces
 from tiered_ckpt.io.hashing import hash_path, new_hasher
 from tiered_ckpt.io.layout import SHARD, FilePlan, Segment, new_save_id
 from tiered_ckpt.io.options import IoOptions, WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline
-from tiered_ckpt.io.posix import fsync_parents, open_subdir, os_error, write_small
-from tiered_ckpt.io.sources import Source, to_source
+from tiered_ckpt.io.posix import os_error, write_small
+from tiered_ckpt.io.sources import Source, byte_view, to_source
+from tiered_ckpt.lifecycle import reuse
 from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
-from tiered_ckpt.naming import CheckpointId, make_id, require_name, scheme
+from tiered_ckpt.naming import SCHEMES, CheckpointId, make_id, parse_name, require_name, scheme
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METADATA", "TieredReader", "TieredWriter", "is_dcp_checkpoint", "metadata_name"]
+__all__ = ["METADATA", "RAW", "TieredReader", "TieredWriter", "is_dcp_checkpoint", "metadata_name"]
 
 METADATA = "dcp.{sid}.metadata"
+# The transform descriptor of a tensor item stored as its raw bytes (dtype and shape are in DCP's
+# own TensorStorageMetadata). DCP's FileSystemReader torch.load()s every tensor item; this name
+# makes it stop with "Unknown extension name='tiered_ckpt.raw'" instead of misreading the bytes
+# (docs/training.md: `tiered-ckpt convert NAME --to dcp DIR` writes a stock directory).
+RAW = "tiered_ckpt.raw/1"
+# DCP's metadata format version, as FileSystemWriter stamps it (filesystem.CURRENT_DCP_VERSION).
+DCP_VERSION = "1.0.0"
 # A WriteResult that carries a rank's file entries to the coordinator; never part of the metadata.
 _FILES_FQN = "__tiered_ckpt_files__"
 
@@ -105,13 +122,47 @@ def is_dcp_checkpoint(manifest: mf.Manifest) -> bool:
 
 @dataclass(frozen=True)
 class _Stored:
-    """Where one write item's bytes are (pickled into DCP's metadata.storage_data)."""
+    """Where one item's bytes are, as the reader uses it. Built from DCP's own `_StorageInfo`
+    entries and TensorStorageMetadata (what the metadata holds since format 2, so that it
+    unpickles without this package); checkpoints of format 1 pickled this class itself."""
 
     relative_path: str
     offset: int
     length: int
     dtype: str | None = None                 # tensors: raw bytes of this dtype and shape
     shape: tuple[int, ...] | None = None
+    encoded: bool = False                    # a tensor as torch.save bytes (stock DCP's format)
+
+
+def _info(relative_path: str, offset: int, length: int, raw: bool) -> _StorageInfo:
+    return _StorageInfo(relative_path, offset, length, [RAW] if raw else None)
+
+
+def _locations(md: Metadata) -> dict[MetadataIndex, _Stored]:
+    """storage_data as _Stored entries: DCP `_StorageInfo` (raw tensors carry RAW; tensors without
+    it are torch.save bytes, as FileSystemWriter writes them) or a format-1 `_Stored`."""
+    out: dict[MetadataIndex, _Stored] = {}
+    chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}     # fqn -> chunk offsets -> sizes
+    for index, sd in (md.storage_data or {}).items():
+        if isinstance(sd, _Stored):
+            out[index] = sd
+            continue
+        if not isinstance(sd, _StorageInfo):
+            continue              # reported per item by _read: no valid location
+        descriptors = list(getattr(sd, "transform_descriptors", None) or ())
+        tmd = md.state_dict_metadata.get(index.fqn)
+        if descriptors == [RAW] and isinstance(tmd, TensorStorageMetadata):
+            by_offset = chunks.get(index.fqn)
+            if by_offset is None:
+                by_offset = chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in tmd.chunks}
+            sizes = by_offset.get(tuple(index.offset) if index.offset is not None else (0,) * len(tmd.size))
+            if sizes is None:
+                continue
+            out[index] = _Stored(sd.relative_path, sd.offset, sd.length, str(tmd.properties.dtype).removeprefix("torch."),
+                                 sizes)
+        elif not descriptors:
+            out[index] = _Stored(sd.relative_path, sd.offset, sd.length, encoded=isinstance(tmd, TensorStorageMetadata))
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,8 +179,34 @@ def _resolve(root: str | os.PathLike[str] | None, model: str | None, config: Nod
         model = model if model is not None else config.model
     if root is None or model is None:
         raise UserError("TieredWriter/TieredReader need the checkpoint root and the model: pass root= and model=, "
-                        "or config=tiered_ckpt.config.NodeConfig(root=..., model=...)")
+                        "or config=tiered_ckpt.config.NodeConfig(root=..., model=...), or checkpoint_id="
+                        "'<root>/<model>/<name>' (also what dcp.save/dcp.load(checkpoint_id=...) passes)")
     return Path(root), model
+
+
+def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str], naming: str | None = None) -> tuple[Path, str, CheckpointId]:
+    """(root, model, id) of a checkpoint directory path: ``<root>/<model>/<name>``, where name is
+    a checkpoint name of `naming` (None: of any built-in scheme, e.g. torchtitan's
+    ``<folder>/step-100``); anything else is a UserError that says which paths are accepted."""
+    p = Path(os.fspath(checkpoint_id)).absolute()
+    cid = parse_name(p.name, naming) if naming is not None else None
+    if cid is None:
+        cid = next((c for c in (parse_name(p.name, k) for k in SCHEMES) if c is not None), None)
+    if cid is None or len(p.parts) < 3:
+        forms = ", ".join(s.pattern for s in SCHEMES.values())
+        raise UserError(f"checkpoint_id={os.fspath(checkpoint_id)!r}: the tiered backend keeps checkpoints at "
+                        f"<root>/<model>/<name>, with a name that orders them ({forms}; e.g. "
+                        f"{p.parent / 'global_epoch0_step100'}); pass such a path, or "
+                        "TieredWriter(root, model, epoch=, step=) without checkpoint_id")
+    return p.parent.parent, p.parent.name, cid
+
+
+def _valid_id(checkpoint_id: Any) -> bool:
+    try:
+        parse_checkpoint_id(checkpoint_id)
+    except (UserError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _cid(name: str | None, epoch: int | None, step: int | None, naming: str = DEFAULT_NAMING) -> CheckpointId:
@@ -142,30 +219,28 @@ def _cid(name: str | None, epoch: int | None, step: int | None, naming: str = DE
 
 
 class _Hold:
-    """The coordinator's claim of the name and its directory descriptor, released once.
+    """The coordinator's claim of the name (io/claim.py), released once.
 
     Kept apart from the writer so that a `weakref.finalize` of the writer can release it: a
     save that failed on another rank never calls back into this writer (DCP skips `finish`),
     so the claim is released by reset()/close(), or when the writer object is gone.
     """
 
-    def __init__(self, claim: ExitStack, dfd: int, key: str) -> None:
-        self.claim: ExitStack | None = claim
-        self.dfd: int | None = dfd
+    def __init__(self, claim: Claim, key: str) -> None:
+        self.claim: Claim | None = claim
         self.key = key
+
+    @property
+    def dfd(self) -> int | None:
+        return self.claim.dfd if self.claim is not None else None
 
     def close(self) -> None:
         claim, self.claim = self.claim, None
-        dfd, self.dfd = self.dfd, None
         with _held_lock:
             if _held.get(self.key) is self:
                 del _held[self.key]
-        try:
-            if claim is not None:
-                claim.close()
-        finally:
-            if dfd is not None:
-                os.close(dfd)
+        if claim is not None:
+            claim.abandon()     # after the marker: only releases; before: removes nothing but its own empty directory
 
 
 # Lock files of checkpoint names this process's writers hold (flock conflicts within a process too).
@@ -178,15 +253,29 @@ class TieredWriter(StorageWriter):
 
     options: the I/O knobs (files per rank, writer threads, block size, O_DIRECT, hashing,
     sync_buffer_bytes); fields left at None take `config.io` (or the IoConfig defaults).
+    The archive the name is checked against is `config.archive`, else the node config file's
+    (none configured: nothing to check); archive_check as for tiered_ckpt.save.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, model: str | None = None, *,
                  name: str | None = None, epoch: int | None = None, step: int | None = None,
-                 config: NodeConfig | None = None, options: IoOptions | None = None) -> None:
+                 config: NodeConfig | None = None, options: IoOptions | None = None,
+                 checkpoint_id: str | os.PathLike[str] | None = None,
+                 archive_check: str = "required") -> None:
         super().__init__()
-        self.root, self.model = _resolve(root, model, config)
+        self.archive: ArchiveConfig = (config if config is not None else load_config()).archive
+        self.archive_check = reuse.require_archive_check(archive_check)
         self.naming = config.naming if config is not None else DEFAULT_NAMING
-        self.cid = _cid(name, epoch, step, self.naming)
+        self._bound = True
+        if checkpoint_id is not None:
+            self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
+        elif root is None and model is None and config is None and name is None and step is None:
+            # Bound later by dcp.save(storage_writer=TieredWriter(), checkpoint_id=path) (reset).
+            self.root, self.model, self.cid, self._bound = Path(), "", make_id(0, 0), False
+        else:
+            self.root, self.model = _resolve(root, model, config)
+            self.cid = _cid(name, epoch, step, self.naming)
+        self.use_collectives = True
         iocfg = config.io if config is not None else IoConfig()
         options = options if options is not None else IoOptions()
         self.opts: WriteOptions = options.resolve(iocfg)
@@ -196,10 +285,16 @@ class TieredWriter(StorageWriter):
         self._hold: _Hold | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self.save_id: str | None = None
+        self._gathered: list[Any] | None = None
 
     @property
     def path(self) -> Path:
         return self.root / self.model / self.cid.name
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The checkpoint directory (DCP logs it; the same path dcp.save(checkpoint_id=...) takes)."""
+        return str(self.path) if self._bound else None
 
     @property
     def _dfd(self) -> int | None:
@@ -217,16 +312,22 @@ class TieredWriter(StorageWriter):
 
     # -- StorageWriter -------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A new save (DCP calls this with dcp.save's checkpoint_id): `<root>/<model>/<name>`
+        (parse_checkpoint_id); without one, the same checkpoint again (refused once committed)."""
         self.close()      # a save that failed elsewhere never reached finish(): drop its claim
         if checkpoint_id:
-            p = Path(checkpoint_id)
-            self.root, self.model, self.cid = p.parent.parent, p.parent.name, require_name(p.name, self.naming)
+            self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
+            self._bound = True
         self.save_id = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self._bound:
+            raise UserError("TieredWriter() was given no checkpoint: pass root=, model= and epoch=/step= (or name=), "
+                            "or dcp.save(..., checkpoint_id='<root>/<model>/<name>')")
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         self.rank = rank if isinstance(rank, int) else None
+        self.use_collectives = bool(kwargs.get("use_collectives", True))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -242,9 +343,26 @@ class TieredWriter(StorageWriter):
         """
         self.close()
         self._t0 = time.monotonic()
+        self._gathered = None
         sid = new_save_id()
-        mf.require_root(self.root)
-        self._claim_name()
+        failed: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                _make_root(self.root)
+                self._claim_name()
+            except BaseException as e:  # noqa: BLE001 - raised below, after the others heard of it
+                failed = e
+        if not self.use_collectives:
+            # dcp.save(use_collectives=False): every rank plans alone, but the checkpoint still
+            # has one claim and one marker: the others write once the coordinator has claimed
+            # the name and cleared a crashed save's files, or stop with its reason (docs/training.md).
+            said = _all_gather(str(failed) if failed is not None else None)
+            why = next((w for w in said if w), None)
+            if failed is None and why is not None:
+                raise ConflictError(f"cannot save {self.path}: the coordinator could not claim it ({why}); "
+                                    "this rank wrote nothing")
+        if failed is not None:
+            raise failed
         self.save_id = sid
         return [replace(p, storage_data=_Prefix(sid, i)) for i, p in enumerate(plans)]
 
@@ -253,21 +371,38 @@ class TieredWriter(StorageWriter):
         rank = self.rank if self.rank is not None else prefix.rank if isinstance(prefix, _Prefix) else 0
         fut: Future[list[WriteResult]] = Future()
         read: list[int] = []
+        err: BaseException | None = None
+        results: list[WriteResult] = []
         try:
-            fut.set_result(self._write(plan, planner, rank, read))
+            results = self._write(plan, planner, rank, read)
         except BaseException as e:  # noqa: BLE001 - DCP gathers it and fails every rank
-            if self.is_coordinator:
-                self.close()    # DCP never calls finish after a failed write: release the name now
             err = os_error(e, self.path) if isinstance(e, OSError) else e
-            fut.set_exception(err)  # type: ignore[arg-type]  # torch types it as T
         finally:
             # A TieredStager holding this save's staging memory may free it (and a caller waiting
             # for its tensors to be written may go on): this rank is done reading them.
             dcp_stage.notify_written(read + dcp_stage.addresses(getattr(planner, "state_dict", None)))
+        if not self.use_collectives:
+            # Without DCP's collectives the coordinator learns here what every rank wrote (or why not).
+            mine = (None, results, getattr(planner, "metadata", None)) if err is None else (str(err), [], None)
+            self._gathered = _all_gather(mine)
+        if err is not None:
+            if self.is_coordinator:
+                self.close()    # DCP never calls finish after a failed write: release the name now
+            fut.set_exception(err)  # type: ignore[arg-type]  # torch types it as T
+        else:
+            fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: DCP's metadata under its final name, then the marker (written last)."""
+        if not self.use_collectives:
+            if not self.is_coordinator:
+                return              # the coordinator commits every rank's files
+            try:
+                metadata, results = _merge(self.path, self._gathered)
+            except BaseException:
+                self.close()
+                raise
         try:
             assert self.save_id is not None and self._dfd is not None
             entries: list[mf.FileEntry] = []
@@ -277,9 +412,12 @@ class TieredWriter(StorageWriter):
                     if wr.index.fqn == _FILES_FQN:
                         entries.extend(wr.storage_data)
                     else:
-                        storage[wr.index] = wr.storage_data
-            # A copy: with plan caching DCP hands every save the same Metadata object.
-            data = pickle.dumps(replace(metadata, storage_data=storage))
+                        storage.setdefault(wr.index, wr.storage_data)
+            # A copy: with plan caching DCP hands every save the same Metadata object. Only
+            # builtins and DCP's own classes are pickled (it unpickles without this package).
+            meta = StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id,
+                               modules=list(getattr(metadata.storage_meta, "modules", None) or []))
+            data = pickle.dumps(replace(metadata, storage_data=storage, storage_meta=meta, version=DCP_VERSION))
             name = metadata_name(self.save_id)
             try:
                 write_small(self._dfd, name, data)
@@ -290,12 +428,8 @@ class TieredWriter(StorageWriter):
             entries.append(mf.FileEntry(name, len(data), h.hexdigest(), 0))
             m = mf.Manifest(epoch=self.cid.epoch, step=self.cid.step, files=entries, world_size=len(results),
                             index={}, save_id=self.save_id)
-            try:
-                # The directory entries are durable before the marker names them.
-                fsync_parents(self.root, self.root / self.model)
-                mf.write_marker(self.path, m, dir_fd=self._dfd)
-            except OSError as e:
-                raise os_error(e, self.path / mf.MARKER) from None
+            assert self._hold is not None and self._hold.claim is not None
+            self._hold.claim.commit(m)
         except BaseException as e:
             log.error("DCP save of %s failed at commit: %s", self.cid.name, e,
                       extra=fields("dcp save", model=self.model, checkpoint=self.cid.name, outcome="error"))
@@ -304,6 +438,12 @@ class TieredWriter(StorageWriter):
             self.close()
         seconds = time.monotonic() - getattr(self, "_t0", time.monotonic())
         total = sum(e.size for e in entries)
+        # The same record tc.save leaves (records.py): save metrics, and the timeline's write start
+        # (time of the record minus `seconds`). Best effort: never fails the committed save.
+        records.record(self.root, self.model, records.SAVE,
+                       {"name": self.cid.name, "bytes": total, "seconds": seconds, "files": len(entries),
+                        "world_size": len(results), "via": "dcp"},
+                       totals={"saves": 1, "bytes": total})
         log.info("DCP save committed %s: %d bytes, %d rank(s), %.2fs since planning", self.cid.name, total,
                  len(results), seconds,
                  extra=fields("dcp save", model=self.model, checkpoint=self.cid.name, duration_s=seconds,
@@ -311,10 +451,13 @@ class TieredWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False      # never picked automatically: the caller passes storage_writer= explicitly
+        """Whether this writer can save at the path (`<root>/<model>/<name>`, parse_checkpoint_id).
+        DCP itself only tries its own writers for a bare checkpoint_id (_storage_utils): pass
+        storage_writer=TieredWriter() with it."""
+        return _valid_id(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id or "")
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     # -- ours ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -341,61 +484,15 @@ class TieredWriter(StorageWriter):
             self._claim_once(key)
 
     def _claim_once(self, key: str) -> None:
-        mdir = self.root / self.model
-        rfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            try:
-                mfd, _ = open_subdir(rfd, self.model, mdir, create=True)
-            except OSError as e:
-                raise os_error(e, mdir) from None
-        finally:
-            os.close(rfd)
-        claim = ExitStack()
-        try:
-            try:
-                claim.enter_context(lock.checkpoint_lock(self.root, self.model, self.cid.name, "save", wait=0))
-            except ConflictError as e:
-                raise ConflictError(f"cannot save {self.cid.name} now: {e}; this save wrote nothing") from None
-            info = mf.inspect(self.model, self.path, self.cid, anchor=self.root)
-            if info.committed:
-                raise ConflictError(f"{self.path} is already a committed checkpoint; committed checkpoints are never "
-                                    "overwritten — save under another epoch/step, or delete it first (tiered-ckpt retention)")
-            try:
-                dfd, _ = open_subdir(mfd, self.cid.name, self.path, create=True)
-            except OSError as e:
-                raise os_error(e, self.path) from None
-            try:
-                self._clear_stale(dfd)
-            except BaseException:
-                os.close(dfd)
-                raise
-        except BaseException:
-            claim.close()
-            raise
-        finally:
-            os.close(mfd)
-        hold = _Hold(claim, dfd, key)
+        # Every rank writes after the global plan: everything in the directory now is stale.
+        claim = Claim.take(self.root, self.model, self.cid,
+                           name_check=reuse.checks_for(self.root, self.model, self.cid.name, self.archive,
+                                                       self.archive_check))
+        hold = _Hold(claim, key)
         with _held_lock:
             _held[key] = hold
         self._hold = hold
         self._finalizer = weakref.finalize(self, hold.close)
-
-    def _clear_stale(self, dfd: int) -> None:
-        """Files of earlier saves of this name that never committed (no other rank writes yet)."""
-        stale = []
-        with os.scandir(dfd) as it:
-            for e in it:
-                if e.is_dir(follow_symlinks=False):
-                    raise UserError(f"cannot write {self.path}: it holds a directory {e.name!r} that no save creates; "
-                                    "remove it or save under another epoch/step; the checkpoint was not committed")
-                stale.append(e.name)
-        for n in stale:
-            try:
-                os.unlink(n, dir_fd=dfd)      # never follows a symlink
-            except FileNotFoundError:
-                pass
-        if stale:
-            os.fsync(dfd)
 
     def _write(self, plan: SavePlan, planner: SavePlanner, rank: int, read: list[int]) -> list[WriteResult]:
         """This rank's items through the toolkit's write pipeline (pipeline.py): copy threads fill
@@ -416,8 +513,16 @@ class TieredWriter(StorageWriter):
                 metas.append((item.index, None, None))
             else:
                 assert isinstance(data, torch.Tensor)
-                read.append(data.data_ptr())
                 t = data.detach()
+                if type(t) is not torch.Tensor:
+                    # A tensor subclass (no plain storage of its own): torch.save bytes, as
+                    # FileSystemWriter writes every tensor; read back with torch.load(weights_only).
+                    buf = io.BytesIO()
+                    torch.save(t, buf)
+                    sources.append(to_source(item.index.fqn or "-", buf.getbuffer()))
+                    metas.append((item.index, None, None))
+                    continue
+                read.append(t.data_ptr())
                 if not t.is_contiguous():
                     t = t.contiguous()
                 sources.append(to_source(item.index.fqn or "-", t))
@@ -438,11 +543,60 @@ class TieredWriter(StorageWriter):
             if dfd != self._dfd:
                 os.close(dfd)
         results: list[WriteResult] = []
-        for (index, dtype, shape), src, (fname, off) in zip(metas, sources, where, strict=True):
-            info = _Stored(fname, off, src.nbytes, dtype, shape)
-            results.append(WriteResult(index=index, size_in_bytes=src.nbytes, storage_data=info))
+        for (index, dtype, _shape), src, (fname, off) in zip(metas, sources, where, strict=True):
+            results.append(WriteResult(index=index, size_in_bytes=src.nbytes,
+                                       storage_data=_info(fname, off, src.nbytes, raw=dtype is not None)))
         results.append(WriteResult(index=MetadataIndex(_FILES_FQN), size_in_bytes=0, storage_data=entries))
         return results
+
+
+def _make_root(root: Path) -> None:
+    """The checkpoint root, created like FileSystemWriter creates its directory (parents too)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, root) from None
+    mf.require_root(root)
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj` (the default process group; just ours without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _merge(path: Path, gathered: list[Any] | None) -> tuple[Metadata, list[list[WriteResult]]]:
+    """One checkpoint from the ranks' own plans (dcp.save(use_collectives=False)): the union of
+    their metadata (a chunk or object saved by several ranks is kept once, the first's)."""
+    assert gathered is not None
+    bad = [f"rank {r}: {why}" for r, (why, _res, _md) in enumerate(gathered) if why]
+    if bad:
+        raise IntegrityError(f"cannot commit {path}: " + "; ".join(bad) + "; the checkpoint was not committed")
+    mds = [md for _why, _res, md in gathered]
+    if any(not isinstance(md, Metadata) for md in mds):
+        raise UserError("dcp.save(use_collectives=False) with TieredWriter needs a planner that keeps its global "
+                        "metadata (DCP's DefaultSavePlanner does): use it, or save with use_collectives=True")
+    sdm: dict[str, Any] = {}
+    planner_data: dict[Any, Any] = {}
+    for md in mds:
+        for fqn, item in md.state_dict_metadata.items():
+            have = sdm.get(fqn)
+            if have is None:
+                sdm[fqn] = copy.deepcopy(item)
+            elif isinstance(have, TensorStorageMetadata) and isinstance(item, TensorStorageMetadata):
+                known = {tuple(c.offsets) for c in have.chunks}
+                have.chunks.extend(c for c in item.chunks if tuple(c.offsets) not in known)
+        if isinstance(md.planner_data, dict):
+            for k, v in md.planner_data.items():
+                planner_data.setdefault(k, v)
+    first = mds[0]
+    return (replace(first, state_dict_metadata=sdm, planner_data=planner_data or first.planner_data),
+            [res for _why, res, _md in gathered])
 
 
 # Bytes per file below which a rank's items share fewer files: a writer thread per file pays
@@ -458,42 +612,70 @@ def _layout(sources: list[Source], rank: int, sid: str, opts: WriteOptions) -> t
     files = [FilePlan(SHARD.format(rank=rank, i=i, sid=sid), 0) for i in range(nfiles)]
     where: list[tuple[str, int]] = [("", 0)] * len(sources)
     order = sorted(range(len(sources)), key=lambda i: -sources[i].nbytes)
+    fill_heap = [(0, j) for j in range(nfiles)]     # (bytes so far, file): the least filled on top
     for i in order:
         n = sources[i].nbytes
         if not n:
             where[i] = (files[0].path, 0)    # the largest item is there: that file exists
             continue
-        f = min(files, key=lambda fp: fp.size)
+        _, j = fill_heap[0]
+        f = files[j]
         where[i] = (f.path, f.size)
         f.segments.append(Segment(i, 0, f.size, n))
         f.size += n
+        heapq.heapreplace(fill_heap, (f.size, j))
     return [f for f in files if f.size or f is files[0]], where
 
 
 class TieredReader(StorageReader):
     """A DCP StorageReader of a committed checkpoint: refuses one without a valid marker.
 
-    The marker and the sizes of every file are checked when it is made (on every rank, before
-    `dcp.load`); with `verify_hash=True` every file's xxh3-128 too (shared among the ranks).
+    The marker and the sizes of every file are checked inside `dcp.load` (read_metadata, on
+    every rank; `manifest` or `checked_metadata()` check them outside it); with
+    `verify_hash=True` every file's xxh3-128 too (shared among the ranks). Which checkpoint:
+    root/model with name= or epoch=/step=, or checkpoint_id='<root>/<model>/<name>' (here or
+    through dcp.load(checkpoint_id=...), see parse_checkpoint_id).
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, model: str | None = None, *,
                  name: str | None = None, epoch: int | None = None, step: int | None = None,
-                 config: NodeConfig | None = None, verify_hash: bool = False) -> None:
+                 config: NodeConfig | None = None, verify_hash: bool = False,
+                 checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
-        self.root, self.model = _resolve(root, model, config)
         self.naming = config.naming if config is not None else DEFAULT_NAMING
-        self.cid = _cid(name, epoch, step, self.naming)
+        self._bound = True
+        if checkpoint_id is not None:
+            self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
+        elif root is None and model is None and config is None and name is None and step is None:
+            self.root, self.model, self.cid, self._bound = Path(), "", make_id(0, 0), False
+        else:
+            self.root, self.model = _resolve(root, model, config)
+            self.cid = _cid(name, epoch, step, self.naming)
         self.verify_hash = verify_hash
         self.io = config.io if config is not None else IoConfig()    # reader threads, block size, O_DIRECT
         self.storage_data: dict[MetadataIndex, _Stored] = {}
-        self.manifest = self._check()
+        self._manifest: mf.Manifest | None = None
+        self._deferred: BaseException | None = None
 
     @property
     def path(self) -> Path:
         return self.root / self.model / self.cid.name
 
+    @property
+    def checkpoint_id(self) -> str | None:
+        return str(self.path) if self._bound else None
+
+    @property
+    def manifest(self) -> mf.Manifest:
+        """The checkpoint's marker, checked (IntegrityError/UserError when it is not a committed DCP checkpoint)."""
+        if self._manifest is None:
+            self._manifest = self._check()
+        return self._manifest
+
     def _check(self) -> mf.Manifest:
+        if not self._bound:
+            raise UserError("TieredReader() was given no checkpoint: pass root=, model= and epoch=/step= (or name=), "
+                            "or dcp.load(..., checkpoint_id='<root>/<model>/<name>')")
         m, why = mf.read_marker_checked(self.path, anchor=self.root)
         if m is None:
             raise IntegrityError(f"{self.path} is not a committed checkpoint ({why or 'no ' + mf.MARKER}); "
@@ -511,12 +693,24 @@ class TieredReader(StorageReader):
     # -- StorageReader -------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
+        self._deferred = None
         if checkpoint_id:
-            p = Path(checkpoint_id)
-            self.root, self.model, self.cid = p.parent.parent, p.parent.name, require_name(p.name, self.naming)
-            self.manifest = self._check()
+            self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
+            self._bound = True
+            self._manifest = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata. Inside dcp.load a checkpoint that cannot be loaded surfaces from
+        set_up_storage_reader (DCP swallows read_metadata's exceptions into "metadata is None"):
+        its metadata reads as empty here, and that call raises the reason."""
+        try:
+            return self.checked_metadata()
+        except (IntegrityError, UserError, OSError) as e:
+            self._deferred = e
+            return Metadata(state_dict_metadata={}, storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id))
+
+    def checked_metadata(self) -> Metadata:
+        """DCP's metadata of the committed checkpoint, or the reason it cannot be loaded (raised)."""
         m = self.manifest
         if self.verify_hash:
             self._verify_hashes(m)
@@ -531,7 +725,10 @@ class TieredReader(StorageReader):
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            raise deferred
+        self.storage_data = _locations(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -550,7 +747,10 @@ class TieredReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False
+        """Whether the path is a checkpoint directory this reader serves (parse_checkpoint_id) holding a marker."""
+        if not _valid_id(checkpoint_id):
+            return False
+        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), mf.MARKER))
 
     # -- ours ----------------------------------------------------------------------------
     def _verify_hashes(self, m: mf.Manifest) -> None:
@@ -567,21 +767,25 @@ class TieredReader(StorageReader):
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Every requested byte range read by several threads straight into its destination
-        (io/fill.py: O_DIRECT where the file's pages and the memory line up, small items coalesced);
-        a whole saved tensor lands in the destination tensor when its dtype, shape and layout allow
-        (no intermediate buffer, no copy), then every item is handed to the planner."""
+        (io/fill.py: O_DIRECT wherever the file's pages allow, whatever the destination's address;
+        small items coalesced). A request for a whole saved tensor, or for a part of one that is
+        one byte range (a resharded load's rows), lands in the destination tensor itself when its
+        dtype, shape and layout allow (no intermediate buffer, no copy); otherwise only the bytes
+        asked for are read into a page-aligned buffer and copied. Then every item goes to the planner."""
         sizes = {f.path: f.size for f in self.manifest.files}
         pieces: dict[str, Pieces] = {}
-        items: list[tuple[Any, _Stored, Any, memoryview]] = []
+        items: list[tuple[Any, _Stored, Any, memoryview, bool]] = []
+        path = self.path           # a property: computed once, not per item
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if not isinstance(info, _Stored):
-                raise IntegrityError(f"{self.path}: DCP metadata has no valid location for {req.storage_index.fqn!r}; "
+                raise IntegrityError(f"{path}: DCP metadata has no valid location for {req.storage_index.fqn!r}; "
                                      "restore the checkpoint from the archive (tiered-ckpt restore)")
-            _check_stored(self.path, info, sizes)
-            dest, view = _destination(req, info, planner)
-            pieces.setdefault(info.relative_path, []).append((info.offset, info.length, view))
-            items.append((req, info, dest, view))
+            _check_stored(path, info, sizes)
+            off, n, part = _byte_range(path, req, info)
+            dest, view = _destination(req, info, planner, off, n, part)
+            pieces.setdefault(info.relative_path, []).append((off, n, view))
+            items.append((req, info, dest, view, part))
         files = [f for f in self.manifest.files if f.path in pieces]
         bufs = pools.pool("read", self.io.threads * self.io.block_size, self.io.block_size)
 
@@ -592,17 +796,25 @@ class TieredReader(StorageReader):
                              check_hash=False, stream=stream, progress=None, anchor=self.root)
         if problems:
             raise IntegrityError("; ".join(problems) + "; restore the checkpoint from the archive (tiered-ckpt restore)")
-        for req, info, dest, view in items:
+        for req, info, dest, view, part in items:
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(view.tobytes()))
                 continue
             if dest is not None:
                 planner.commit_tensor(req, dest)
                 continue
-            assert info.dtype is not None and info.shape is not None
-            dtype = getattr(torch, info.dtype)
-            t = torch.frombuffer(view, dtype=dtype) if info.length else torch.empty(0, dtype=dtype)
-            t = narrow_tensor_by_index(t.reshape(info.shape), req.storage_offsets, req.lengths)
+            if info.encoded:
+                # torch.save bytes (a tensor subclass, or a stock DCP checkpoint): as FileSystemReader loads them.
+                t = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+                t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
+            else:
+                dtype = _dtype(info.dtype) if info.dtype is not None else None
+                assert dtype is not None and info.shape is not None
+                t = torch.frombuffer(view, dtype=dtype) if len(view) else torch.empty(0, dtype=dtype)
+                if part:
+                    t = t.reshape(tuple(req.lengths))
+                else:
+                    t = narrow_tensor_by_index(t.reshape(info.shape), req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != t.size():
                 raise IntegrityError(f"{self.path / info.relative_path}: item {req.storage_index.fqn} has shape "
@@ -611,17 +823,70 @@ class TieredReader(StorageReader):
             planner.commit_tensor(req, target)
 
 
-def _destination(req: Any, info: _Stored, planner: LoadPlanner) -> tuple[Any, memoryview]:
-    """(the destination tensor when the bytes go straight into it, else None; the buffer to read into)."""
-    if req.type == LoadItemType.BYTE_IO or not info.length:
-        return None, memoryview(bytearray(info.length))
-    whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(info.shape or ())
-    if whole:
+def _byte_range(path: Path, req: Any, info: _Stored) -> tuple[int, int, bool]:
+    """(file offset, bytes, whether that is only the part asked for) to read for one request.
+
+    A part of a saved tensor (storage_offsets/lengths: resharding) is one byte range of its
+    row-major bytes when every dimension before some k is asked for one index and every one
+    after k in full; then only it is read. Otherwise the whole item is."""
+    if req.type == LoadItemType.BYTE_IO or info.shape is None or info.dtype is None:
+        return info.offset, info.length, False
+    shape, offs, lens = tuple(info.shape), tuple(req.storage_offsets), tuple(req.lengths)
+    if lens == shape and not any(offs):          # the whole item: the common case, checked cheaply
+        return info.offset, info.length, False
+    if len(offs) != len(shape) or len(lens) != len(shape) or any(
+            not (0 <= o and 0 <= n and o + n <= d) for o, n, d in zip(offs, lens, shape, strict=True)):
+        raise IntegrityError(f"{path / info.relative_path}: DCP asks for {_box(offs, lens)} of item "
+                             f"{req.storage_index.fqn}, which has shape {shape}; the checkpoint's metadata is "
+                             "damaged — restore it from the archive (tiered-ckpt restore)")
+    k = 0
+    while k < len(shape) and lens[k] == 1:
+        k += 1
+    if any(lens[i] != shape[i] for i in range(k + 1, len(shape))):
+        return info.offset, info.length, False
+    dt = _dtype(info.dtype)
+    assert dt is not None               # _check_stored ran
+    itemsize = dt.itemsize
+    start, stride = 0, itemsize
+    for i in range(len(shape) - 1, -1, -1):
+        start += offs[i] * stride
+        stride *= shape[i]
+    n = itemsize
+    for d in lens:
+        n *= d
+    return info.offset + start, n, True
+
+
+def _box(offs: tuple[int, ...], lens: tuple[int, ...]) -> str:
+    """A request's index ranges, as [start:end, ...]."""
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offs, lens, strict=False)) + "]"
+
+
+def _destination(req: Any, info: _Stored, planner: LoadPlanner, off: int, n: int,
+                 part: bool) -> tuple[Any, memoryview]:
+    """(the destination tensor when the bytes go straight into it, else None; the buffer to read into).
+
+    Straight in when DCP's destination is a contiguous CPU tensor of the dtype and of the shape
+    read (the whole item, or the part `_byte_range` found); wherever the allocator placed it."""
+    if req.type == LoadItemType.BYTE_IO or not n:
+        return None, memoryview(bytearray(n))
+    shape = tuple(req.lengths) if part else tuple(info.shape or ())
+    if part or (all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == shape):
         target = planner.resolve_tensor(req).detach()
-        if (target.device.type == "cpu" and target.is_contiguous() and tuple(target.shape) == tuple(info.shape or ())
+        if (target.device.type == "cpu" and target.is_contiguous() and tuple(target.shape) == shape
                 and str(target.dtype).removeprefix("torch.") == info.dtype):
-            return target, memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    return None, memoryview(bytearray(info.length))
+            return target, byte_view(target.data_ptr(), n)    # _read holds target beside the view
+    # Placed at the file offset's place in its page, so that O_DIRECT lands in it (io/fill.py).
+    raw = torch.empty(n + pools.ALIGN, dtype=torch.uint8)
+    shift = (off - raw.data_ptr()) % pools.ALIGN
+    return None, memoryview(raw[shift:shift + n].numpy())  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(name: str) -> torch.dtype | None:
+    """The torch dtype a metadata entry names (once per name, not per item), None if it names none."""
+    dt = getattr(torch, name, None)
+    return dt if isinstance(dt, torch.dtype) else None
 
 
 def _check_stored(path: Path, info: _Stored, sizes: dict[str, int]) -> None:
@@ -634,14 +899,11 @@ def _check_stored(path: Path, info: _Stored, sizes: dict[str, int]) -> None:
               and 0 <= info.length and info.offset + info.length <= size):
         bad = f"places an item at bytes {info.offset}+{info.length} of {info.relative_path} ({size} bytes)"
     elif info.dtype is not None:
-        dt = getattr(torch, info.dtype, None)
-        if not isinstance(dt, torch.dtype) or info.shape is None:
+        dt = _dtype(info.dtype) if isinstance(info.dtype, str) else None
+        if dt is None or info.shape is None:
             bad = f"records dtype {info.dtype!r}, not a torch dtype"
         else:
-            n = 1
-            for d in info.shape:
-                n *= d
-            if n * dt.itemsize != info.length:
+            if math.prod(info.shape) * dt.itemsize != info.length:
                 bad = f"records {info.length} bytes for a {info.dtype} tensor of shape {tuple(info.shape)}"
     if bad is not None:
         raise IntegrityError(f"{path}: DCP metadata {bad}; the checkpoint is damaged — restore it from the "

@@ -20,8 +20,9 @@ once, sized to the state being saved, and reused by later saves; `close()` gives
 memory no save holds (DCP calls it when its checkpointer closes; call it to free the staging
 between saves). `pool_bytes` and `peak_bytes` say what it holds.
 
-CUDA tensors are copied on a side stream per device (non_blocking, into pinned memory), which
-first waits for the device's current stream; `stage` returns once an event recorded after the
+Host tensors are copied with GIL-free memmoves on `threads` threads (default io.threads, at most
+one per core: the copy floor is a multi-core memcpy, not one thread's). CUDA tensors are copied
+on a side stream per device (non_blocking, into pinned memory), which first waits for the device's current stream; `stage` returns once an event recorded after the
 last copy completed, so the caller may change its tensors right away.
 
 Memory budget (``budget_bytes``, default the node config's io.staging_bytes, 4 GiB): the pool
@@ -41,6 +42,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 import threading
 import time
 import weakref
@@ -54,6 +56,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from tiered_ckpt.config import IoConfig
 from tiered_ckpt.errors import UserError
+from tiered_ckpt.io import pools
 from tiered_ckpt.io.pools import ALIGN
 
 __all__ = ["TieredStager", "addresses", "notify_written"]
@@ -140,8 +143,24 @@ def notify_written(addresses: Iterable[int] = ()) -> None:
 
 
 def addresses(obj: Any) -> list[int]:
-    """Start addresses of the tensors (DTensor: local shards) in a (nested) state."""
-    return [_local(t).data_ptr() for t in _tensors(obj)]
+    """Start addresses of the tensors in a (nested) state: a DTensor's local tensor, a
+    ShardedTensor's local shards (FSDP1), a plain tensor; a tensor without storage of its own
+    (a wrapper subclass, a meta tensor) has none and is skipped."""
+    out: list[int] = []
+    for t in _tensors(obj):
+        for part in _parts(t):
+            ptr = _data_ptr(part)
+            if ptr:
+                out.append(ptr)
+    return out
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    """The tensor's start address, or 0 where it has no storage to point into."""
+    try:
+        return int(t.data_ptr())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return 0
 
 
 def _within(addrs: list[int], a: int, b: int) -> list[int]:
@@ -157,8 +176,10 @@ class TieredStager(AsyncStager):
     _synchronize_after_execute = True
 
     def __init__(self, budget_bytes: int | None = None, *, pin_memory: bool | None = None, share_memory: bool = False,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, threads: int | None = None) -> None:
         budget = IoConfig().staging_bytes if budget_bytes is None else budget_bytes
+        # Host tensors are copied by this many threads (GIL-free memmoves), at most one per core.
+        self.threads = max(1, min(threads or IoConfig().threads, os.cpu_count() or 1))
         if not isinstance(budget, int) or budget < ALIGN:
             raise UserError(f"TieredStager(budget_bytes={budget_bytes!r}): pass the staging memory in bytes, at least "
                             f"{ALIGN} (e.g. budget_bytes=8 << 30)")
@@ -185,7 +206,9 @@ class TieredStager(AsyncStager):
         by_id: dict[int, torch.Tensor] = {}
         for t in leaves:
             by_id.setdefault(id(t), t)
-        sizes = {i: _aligned(_local(t).numel() * _local(t).element_size()) for i, t in by_id.items()}
+        for t in by_id.values():
+            _require_stageable(t)
+        sizes = {i: sum(_aligned(p.numel() * p.element_size()) for p in _parts(t)) for i, t in by_id.items()}
         # Largest first up to the budget; what does not fit stays live (the save then waits).
         staged_ids: list[int] = []
         room = self.budget
@@ -212,6 +235,7 @@ class TieredStager(AsyncStager):
         memo: dict[int, Any] = {}
         regions: list[tuple[int, int]] = []
         side = _SideStreams(self.pin)
+        host: list[tuple[int, int, int]] = []      # (staging address, tensor address, bytes)
         try:
             for group in sorted(groups, key=lambda g: -sum(sizes[i] for i in g)):
                 total = sum(sizes[i] for i in group)
@@ -220,17 +244,23 @@ class TieredStager(AsyncStager):
                 pos = off
                 for i in group:
                     t = by_id[i]
-                    src = _local(t)
-                    n = src.numel() * src.element_size()
-                    if n:
-                        assert chunk is not None
-                        dst = chunk.base[pos:pos + n].view(src.dtype).view(src.shape)
-                        regions.append((chunk.address + pos, chunk.address + pos + n))
-                    else:
-                        dst = torch.empty(src.shape, dtype=src.dtype)
-                    side.copy(dst, src.detach())
-                    memo[i] = _rewrap(t, dst)
-                    pos += sizes[i]
+                    dsts = []
+                    for src in _parts(t):
+                        n = src.numel() * src.element_size()
+                        if n:
+                            assert chunk is not None
+                            dst = chunk.base[pos:pos + n].view(src.dtype).view(src.shape)
+                            regions.append((chunk.address + pos, chunk.address + pos + n))
+                        else:
+                            dst = torch.empty(src.shape, dtype=src.dtype)
+                        if n and src.device.type == "cpu" and src.is_contiguous():
+                            host.append((dst.data_ptr(), src.data_ptr(), n))    # below, on several threads
+                        else:
+                            side.copy(dst, src.detach())
+                        dsts.append(dst)
+                        pos += _aligned(n)
+                    memo[i] = _rewrap(t, dsts)
+            pools.memmove_all(host, self.threads)
             side.wait()          # the device-to-host copies are complete before the caller changes its tensors
         except BaseException:
             side.wait()
@@ -239,9 +269,10 @@ class TieredStager(AsyncStager):
             raise
         for i in live_ids:
             t = by_id[i]
-            loc = _local(t)
             memo[i] = t
-            regions.append((loc.data_ptr(), loc.data_ptr() + max(1, loc.numel() * loc.element_size())))
+            for loc in _parts(t):
+                ptr = _data_ptr(loc)
+                regions.append((ptr, ptr + max(1, loc.numel() * loc.element_size())))
         staged = copy.deepcopy(state_dict, memo)
         if regions:
             ticket = self._ticket(extents, regions, bool(live_ids), [memo[i] for i in staged_ids])
@@ -384,24 +415,46 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose bytes are staged: a DTensor's local shard, else the tensor."""
+def _is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(t, ShardedTensor)
+
+
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold this rank's bytes: a DTensor's local tensor, a ShardedTensor's
+    local shards (FSDP1's sharded state dicts; none on a rank without a shard), else the tensor."""
     from torch.distributed.tensor import DTensor
 
-    return t._local_tensor if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor):
+        return [t._local_tensor]
+    if _is_sharded(t):
+        return [s.tensor for s in t.local_shards()]  # type: ignore[attr-defined]
+    return [t]
 
 
-def _rewrap(t: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+def _require_stageable(t: torch.Tensor) -> None:
+    if _is_dtensor(t) or _is_sharded(t) or type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return
+    raise UserError(f"TieredStager cannot stage a {type(t).__name__} (a tensor subclass other than DTensor and "
+                    "ShardedTensor); convert it (e.g. to a DTensor), save it with dcp.save (no stager), or use "
+                    "DCP's DefaultStager")
+
+
+def _rewrap(t: torch.Tensor, staged: list[torch.Tensor]) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
         # Same mesh, placements and global shape; the local shard now lives in host memory
         # (what DCP's own stager does; DCP writes DTensors shard by shard).
-        return DTensor(staged, t._spec, requires_grad=False)
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        raise UserError(f"TieredStager cannot stage a {type(t).__name__} (a tensor subclass other than DTensor); "
-                        "convert it (e.g. to a DTensor) or use DCP's DefaultStager")
-    return staged
+        return DTensor(staged[0], t._spec, requires_grad=False)
+    if _is_sharded(t):
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+        shards = [Shard(s, old.metadata) for s, old in zip(staged, t.local_shards(), strict=True)]  # type: ignore[attr-defined]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(  # type: ignore[no-any-return]
+            shards, t.metadata(), process_group=t._process_group)  # type: ignore[attr-defined]
+    return staged[0]
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:

@@ -47,28 +47,34 @@ from __future__ import annotations
 
 import copy
 import io
+import io as io_mod
 import json
 import os
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.config import load as load_config
 from tiered_ckpt.dcp import TieredReader, TieredWriter
-from tiered_ckpt.errors import UserError
-from tiered_ckpt.naming import CheckpointId, make_id, require_number, scheme
+from tiered_ckpt.errors import IntegrityError, UserError
+from tiered_ckpt.io import commit as mf
+from tiered_ckpt.lifecycle import pins
+from tiered_ckpt.naming import CheckpointId, make_id, require_name, require_number, scheme
 
-__all__ = ["POINTER_FORMAT", "TieredCheckpointIO"]
+__all__ = ["POINTER_FORMAT", "TieredCheckpointIO", "TieredModelParallelStrategy"]
 
 POINTER_FORMAT = "tiered-ckpt-lightning-pointer/1"
 _STATE_FORMAT = 1
@@ -152,24 +158,42 @@ def _toolkit_errors() -> Iterator[None]:
         raise
 
 
+class _RunCheck(Callback):
+    """TieredCheckpointIO.run_check(): at train start (after any resume), refuse a colliding run."""
+
+    def __init__(self, io: TieredCheckpointIO) -> None:
+        self.io = io
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.io.check_run_start(trainer.current_epoch, trainer.global_step)
+
+
 class TieredCheckpointIO(CheckpointIO):
     """Lightning's CheckpointIO through tiered_ckpt.dcp (module doc): ``Trainer(plugins=[TieredCheckpointIO(...)])``.
 
     root/model (or config=NodeConfig, or neither: the node config file) name where checkpoints go;
-    the model's ``naming:`` comes from the config.
+    the model's ``naming:`` comes from the config. A name committed here or in the config's
+    archive (without config=, the node config file's) is never saved again; archive_check as
+    for tiered_ckpt.save.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, model: str | None = None, *,
-                 config: NodeConfig | None = None) -> None:
+                 config: NodeConfig | None = None, archive_check: str = "required") -> None:
         super().__init__()
         if config is None:
             # root and model given: the default naming, as TieredWriter(root, model) has;
             # otherwise the node config file (default /etc/tiered-ckpt/config.yaml) says it all.
-            config = NodeConfig() if root is not None and model is not None else load_config()
+            # Its archive either way: the claim checks every name against it.
+            node = load_config()
+            config = replace(NodeConfig(), archive=node.archive) if root is not None and model is not None else node
         self.root = Path(root if root is not None else config.root)
         self.model = model if model is not None else config.model
         self.naming = config.naming
+        self.archive = config.archive
+        self.archive_check = archive_check
         scheme(self.naming)
+        # The whole node config (archive included): a checkpoint only the archive holds is restored on load.
+        self._node = config.with_overrides(root=str(self.root), model=self.model)
         # Names this plugin committed in this process: a second save of one of them is an alias.
         self._committed: set[str] = set()
 
@@ -186,8 +210,50 @@ class TieredCheckpointIO(CheckpointIO):
     def checkpoint_dir(self, cid: CheckpointId) -> Path:
         return self.root / self.model / cid.name
 
-    def _config(self) -> NodeConfig:
-        return NodeConfig(root=str(self.root), model=self.model, naming=self.naming)
+    def _config(self, ckpt_dir: Path | None = None) -> NodeConfig:
+        if ckpt_dir is None or (ckpt_dir.parent.parent, ckpt_dir.parent.name) == (self.root, self.model):
+            return self._node
+        return self._node.with_overrides(root=str(ckpt_dir.parent.parent), model=ckpt_dir.parent.name)
+
+    # -- resume ----------------------------------------------------------------------------
+    def resume_path(self) -> str | None:
+        """The newest checkpoint on either tier, as a ``ckpt_path`` for ``Trainer.fit``; None: nothing to resume.
+
+        For a restart that lost Lightning's directory too (no ``last.ckpt`` to list): a checkpoint
+        only the archive holds is restored first. Every rank may call it (one restores, the others
+        wait for the checkpoint's lock)::
+
+            trainer.fit(module, data, ckpt_path=io.resume_path())
+        """
+        from tiered_ckpt.lifecycle.restore import resume_point
+        from tiered_ckpt.tiers.backends import make_backend
+
+        cfg = self._config()
+        name = resume_point(cfg, make_backend(cfg))
+        return None if name is None else str(self.checkpoint_dir(require_name(name, self.naming)))
+
+    def run_check(self) -> Callback:
+        """A Callback that refuses, before the first training step, a run whose saves would collide
+        with checkpoints a previous run of this model left (module doc): ``callbacks=[io.run_check(), ...]``."""
+        return _RunCheck(self)
+
+    def check_run_start(self, epoch: int, global_step: int) -> None:
+        """UserError if checkpoints newer than (epoch, global_step) are committed on either tier."""
+        from tiered_ckpt.lifecycle.restore import newest_committed
+        from tiered_ckpt.tiers.backends import make_backend
+
+        cfg = self._config()
+        here = make_id(epoch if scheme(self.naming).has_epoch else 0, global_step, self.naming)
+        newest = newest_committed(cfg, make_backend(cfg))
+        if newest is None or newest.id <= here:
+            return
+        raise UserError(
+            f"model {self.model!r} under {self.root} already holds committed checkpoints up to {newest.name}, newer "
+            f"than where this run starts ({here.name}): a previous run saved them, and this run's saves would collide "
+            "with them (a committed name is never overwritten). To continue that run, resume it: "
+            "trainer.fit(..., ckpt_path=\"last\") (or ckpt_path=io.resume_path()). To start a new run, give it a "
+            "model name of its own: TieredCheckpointIO(model=\"<model>-run2\") (the old run's checkpoints stay "
+            "under their name until retention or `tiered-ckpt archive retention` frees them)")
 
     def _check_pointer_path(self, path: Path) -> None:
         root = self.root.resolve()
@@ -213,12 +279,15 @@ class TieredCheckpointIO(CheckpointIO):
             buf = io.BytesIO()
             torch.save({"format": _STATE_FORMAT, "checkpoint": structure}, buf)
             state: dict[str, Any] = {**tensors, _STATE_KEY: buf.getvalue()}
-            writer = TieredWriter(config=self._config(), name=cid.name)
+            writer = TieredWriter(config=self._config(), name=cid.name, archive_check=self.archive_check)
             with warnings.catch_warnings(), _toolkit_errors():
                 # One process saves on purpose (Lightning calls this on global rank 0 only).
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
                 dcp.save(state, storage_writer=writer, no_dist=True)
             self._committed.add(cid.name)
+        # Pinned while this pointer names it: retention never frees a checkpoint ModelCheckpoint
+        # still keeps (best-k, last); Lightning's pruning (remove_checkpoint) unpins it.
+        pins.pin(self.root, self.model, cid.name, by="lightning", pointer=pointer)
         self._write_pointer(pointer, cid)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: _MapLocation = "cpu",
@@ -226,9 +295,10 @@ class TieredCheckpointIO(CheckpointIO):
         """The checkpoint a pointer (or a checkpoint directory) names; tensors placed per map_location
         (default: the CPU, as Lightning's TorchCheckpointIO; None: where they were saved)."""
         ckpt_dir = self._resolve(Path(path))
+        self._resident(ckpt_dir)
         reader = TieredReader(root=ckpt_dir.parent.parent, model=ckpt_dir.parent.name, name=ckpt_dir.name,
-                              config=self._config())
-        md = reader.read_metadata()
+                              config=self._config(ckpt_dir))
+        md = reader.checked_metadata()
         if _STATE_KEY not in md.state_dict_metadata:
             raise UserError(f"{ckpt_dir} is a DCP checkpoint but not one TieredCheckpointIO saved (no "
                             f"{_STATE_KEY!r} entry); load it with torch.distributed.checkpoint.load")
@@ -260,6 +330,35 @@ class TieredCheckpointIO(CheckpointIO):
         p = Path(path)
         if p.is_file() and self._read_pointer(p, strict=False) is not None:
             p.unlink()
+            pins.unpin(self.root, self.model, p)
+
+    def _resident(self, ckpt_dir: Path) -> None:
+        """Make the checkpoint readable here: restored from the archive if only the archive holds it;
+        otherwise, if it is not committed here, one message saying what to do."""
+        from tiered_ckpt.lifecycle import tombstone
+        from tiered_ckpt.lifecycle.restore import resume_point
+        from tiered_ckpt.tiers.backends import make_backend
+
+        cfg = self._config(ckpt_dir)
+        name = ckpt_dir.name
+        try:
+            require_name(name, cfg.naming)
+        except UserError:
+            return                  # not one of ours by name: the reader's own message
+        backend = make_backend(cfg)
+        resume_point(cfg, backend, name)
+        if mf.read_marker_checked(ckpt_dir, anchor=cfg.root)[0] is not None:
+            return
+        restore_hint = (f"`tiered-ckpt restore {name}` brings it back from the archive (with archive: in this "
+                        "plugin's config it is restored on load)")
+        if backend.archive_configured:
+            restore_hint = "the archive does not hold it either (`tiered-ckpt status` lists what exists)"
+        if tombstone.tombstone_path(cfg.root, cfg.model, name).exists():
+            raise IntegrityError(f"{ckpt_dir} is not a committed checkpoint on the accelerator layer: retention "
+                                 f"freed it once it was archived; {restore_hint}")
+        if not ckpt_dir.exists():
+            raise IntegrityError(f"{ckpt_dir} is not a committed checkpoint on the accelerator layer (no such "
+                                 f"directory); if it was archived, {restore_hint}")
 
     # -- pointers --------------------------------------------------------------------------
     def _write_pointer(self, pointer: Path, cid: CheckpointId) -> None:
@@ -293,10 +392,98 @@ class TieredCheckpointIO(CheckpointIO):
                             "checkpoint (tiered-ckpt list)")
         return Path(d["root"]) / d["model"] / d["name"]
 
+    def _names_checkpoint(self, p: Path) -> bool:
+        try:
+            require_name(p.name, self.naming)
+        except UserError:
+            return False
+        return True
+
     def _resolve(self, p: Path) -> Path:
         if p.is_dir():
             return p
+        if not p.exists() and self._names_checkpoint(p):
+            return p            # a checkpoint directory freed by retention: _resident restores or explains
         if not p.exists():
             raise FileNotFoundError(f"Checkpoint file not found: {p} (neither a TieredCheckpointIO pointer nor a "
                                     "checkpoint directory; tiered-ckpt list shows the committed ones)")
         return self._read_pointer(p)  # type: ignore[return-value]  # strict: never None
+
+
+_REST_KEY = "lightning.rest"      # the checkpoint dict without its sharded states (rank 0's), torch.save bytes
+
+
+class TieredModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2 / tensor parallel via ``configure_model``) through the toolkit.
+
+    Lightning's own sharded save bypasses the CheckpointIO (it calls ``dcp.save(checkpoint_id=path)``,
+    i.e. DCP's FileSystemWriter, which commits by renaming): this subclass saves the sharded model and
+    optimizer states with TieredWriter on every rank (collective; each rank writes its shards), the
+    rest of Lightning's checkpoint dict as one bytes entry, and the same pointer and keep-pin as
+    TieredCheckpointIO at Lightning's path; it loads them back with TieredReader (resharding is DCP's)::
+
+        io = TieredCheckpointIO(config=cfg)
+        Trainer(strategy=TieredModelParallelStrategy(io), callbacks=[ModelCheckpoint(...)])
+    """
+
+    def __init__(self, io: TieredCheckpointIO, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=True, **kwargs)
+        self.tiered = io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported by TieredModelParallelStrategy")
+        pointer = Path(self.broadcast(str(filepath)))
+        io = self.tiered
+        io._check_pointer_path(pointer)
+        cid = io.checkpoint_id(checkpoint)
+        if cid.name not in io._committed:
+            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            buf = io_mod.BytesIO()
+            torch.save(rest, buf)
+            state: dict[str, Any] = {"state_dict": checkpoint["state_dict"], _REST_KEY: buf.getvalue()}
+            state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.get("optimizer_states", []))})
+            with _toolkit_errors():
+                dcp.save(state, storage_writer=TieredWriter(config=io._config(), name=cid.name,
+                                                                archive_check=io.archive_check))
+            io._committed.add(cid.name)
+        if self.global_rank == 0:
+            pins.pin(io.root, io.model, cid.name, by="lightning", pointer=pointer)
+            io._write_pointer(pointer, cid)
+        self.barrier("tiered-ckpt pointer")
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str],
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        io = self.tiered
+        ckpt_dir = io._resolve(Path(self.broadcast(str(checkpoint_path))))
+        if self.global_rank == 0:
+            io._resident(ckpt_dir)       # restored from the archive when only the archive holds it
+        self.barrier("tiered-ckpt resident")
+        assert self.model is not None and self.lightning_module is not None
+        optims = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model), _REST_KEY: b""}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(optims)})
+        reader = TieredReader(root=ckpt_dir.parent.parent, model=ckpt_dir.parent.name, name=ckpt_dir.name,
+                              config=io._config(ckpt_dir))
+        with _toolkit_errors():
+            dcp.load(state, storage_reader=reader)
+        set_model_state_dict(self.model, state["state_dict"],
+                             options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        for i, o in enumerate(optims):
+            set_optimizer_state_dict(self.model, o, state[f"optimizer_{i}"])
+        rest = torch.load(io_mod.BytesIO(state[_REST_KEY]), weights_only=bool(weights_only))
+        assert isinstance(rest, dict)
+        return rest
+
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        if self.global_rank == 0:
+            self.tiered.remove_checkpoint(filepath)

@@ -3,8 +3,8 @@
     from tiered_ckpt.training import load_training, save_training
     save_training(model, optim, scheduler=sched, epoch=0, step=12000, extra={"rng": torch.get_rng_state()})
     ...
-    state = load_training(model, optim, scheduler=sched)     # newest committed checkpoint, in place
-    start_step, rng = state.step + 1, state.extra["rng"]
+    state = load_training(model, optim, scheduler=sched)     # newest committed on either tier, in place
+    start_step = 0 if state is None else state.step + 1     # None: nothing to resume (a first start)
 
 Model and optimizer state go through DCP's state-dict utilities (`get_state_dict` /
 `set_state_dict` of torch.distributed.checkpoint.state_dict), so a plain, DDP-wrapped, FSDP2 or
@@ -16,7 +16,8 @@ fsynced, committed by the marker) and loads at another world size (resharding is
 
 The scheduler's state and `extra` (anything torch.save takes: ints, RNG state tensors, a data
 loader's position) are per rank: each rank's are saved under their own key, and each rank gets
-its own back; at a larger world size than the save's, a rank without saved extras gets rank 0's.
+its own back; at a larger world size than the save's, a rank without saved extras gets rank 0's
+(with a warning; load_training(new_rank_extras=...) chooses otherwise).
 
 Why a helper of its own and not `tiered_ckpt.save(model=..., optimizer=...)`: `model=` there
 already names the checkpoint directory (the node config's model), and `tiered_ckpt.save` keeps
@@ -27,10 +28,11 @@ imported here and in tiered_ckpt.dcp only.
 from __future__ import annotations
 
 import io
+import logging
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +48,18 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tiered_ckpt import config as config_mod
 from tiered_ckpt.dcp import TieredReader, TieredWriter
-from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.errors import UserError
+from tiered_ckpt.naming import make_id, scheme
 
-__all__ = ["TrainingState", "load_training", "save_training"]
+__all__ = ["TrainingState", "latest_checkpoint", "load_training", "save_training"]
 
 MODEL, OPTIM = "model", "optim"
 # One opaque entry per rank (torch.save bytes: a bytes value is one DCP item, never flattened),
 # so ranks' differing extras (RNG state) never collide under DCP's dedup of equal keys.
 _PER_RANK = "tiered_ckpt.rank{rank}"
+_NEW_RANK_EXTRAS = ("rank0", "none", "error")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ class TrainingState:
     epoch: int
     step: int
     extra: dict[str, Any] | None = None    # load: this rank's saved extras (None when none were saved)
+    # Where this rank's state went / came from: memory (this node's RAM), peer (the replica another
+    # node held) or lustre (the checkpoint root, restored from the archive first when only it held it).
+    tier: str = "lustre"
 
 
 def _cfg(config: config_mod.NodeConfig | None, root: str | Path | None,
@@ -107,73 +115,143 @@ def save_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                   scheduler: Any = None, extra: Mapping[str, Any] | None = None,
                   epoch: int | None = None, step: int | None = None, name: str | None = None,
                   root: str | Path | None = None, model_name: str | None = None,
-                  config: config_mod.NodeConfig | None = None) -> TrainingState:
+                  config: config_mod.NodeConfig | None = None, archive_check: str = "required", tier: str = "lustre",
+                  persist: bool | None = None) -> TrainingState:
     """Save model, optimizer, scheduler and `extra` as one committed DCP checkpoint (every rank calls it).
 
     Where: root= and model_name= (the checkpoint directory's model), else the node config's.
     Which: epoch= and step= (or step= alone for a step-only naming scheme), or name=.
-    Returns once the checkpoint is committed on every rank.
+    Returns once the checkpoint is committed on every rank. A name committed here or in the
+    config's archive is refused; archive_check as for tiered_ckpt.save.
+
+    tier="memory": into this node's memory tier (memory.dir; tiered_ckpt.memory_tier) instead,
+    returning once every rank's copy is committed there; the peer replica and, every
+    memory.persist_every-th save (or persist=True), the copy on the root follow in the background.
     """
+    if tier not in ("lustre", "memory"):
+        raise UserError(f"tier={tier!r}: use tier='lustre' (the checkpoint root) or tier='memory' (node RAM, memory.dir)")
+    if persist is not None and tier != "memory":
+        raise UserError("persist= applies to tier='memory' saves only (a tier='lustre' save is on the root already)")
     if extra is not None and not isinstance(extra, Mapping):
         raise UserError(f"extra= must be a mapping (e.g. {{'rng': torch.get_rng_state()}}); got {type(extra).__name__}")
     cfg = _cfg(config, root, model_name)
-    writer = TieredWriter(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg)
+    writer = TieredWriter(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg,
+                          archive_check=archive_check)
     state = _states(model, optimizer)
     rank, _ = _rank_world()
     buf = io.BytesIO()
     torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "extra": dict(extra) if extra is not None else None}, buf)
     state[_PER_RANK.format(rank=rank)] = buf.getvalue()
+    if tier == "memory":
+        from tiered_ckpt import memory_tier
+
+        with _single_process_quiet():
+            path = memory_tier.save(state, cfg, writer.cid, persist=persist)
+        return TrainingState(writer.cid.name, str(path), writer.cid.epoch, writer.cid.step, tier="memory")
     with _single_process_quiet():
         dcp.save(state, storage_writer=writer, no_dist=not _initialised())
     return TrainingState(writer.cid.name, str(writer.path), writer.cid.epoch, writer.cid.step)
 
 
-def _pick(cfg: config_mod.NodeConfig, name: str | None) -> str:
-    """The checkpoint to load: `name`, else the newest committed one, chosen once for all ranks."""
-    if name is not None:
-        return name
+def latest_checkpoint(config: config_mod.NodeConfig | None = None, *, name: str | None = None,
+                      root: str | Path | None = None, model_name: str | None = None) -> str | None:
+    """The checkpoint a restart resumes from, readable on the accelerator layer; None: nothing to resume.
+
+    `name`, else the newest checkpoint committed on either tier (the accelerator layer or the
+    archive). When only the archive holds it (the local tier was lost or retention deleted it), it
+    is restored first (lifecycle.restore: hash-checked, marker last). Collective where a process
+    group is initialised: rank 0 looks and restores, the other ranks wait for its answer (within
+    the process group's timeout), and every rank gets the same name. Use it before a plain
+    `dcp.load(state, storage_reader=TieredReader(config=cfg, name=...))`; load_training calls it.
+    """
+    cfg = _cfg(config, root, model_name)
     rank, world = _rank_world()
     picked: list[Any] = [None]
     if rank == 0:
+        from tiered_ckpt.lifecycle.restore import resume_point
+        from tiered_ckpt.tiers.backends import make_backend
+
         try:
-            mf.require_root(cfg.root)
-            info = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
-            picked[0] = info.name if info is not None else \
-                IntegrityError(f"no committed checkpoint under {Path(cfg.root) / cfg.model} to resume from")
+            picked[0] = resume_point(cfg, make_backend(cfg), name)
         except UserError as e:
             picked[0] = e
     if world > 1:
         # Every rank loads the same checkpoint even if one commits while the ranks look (and
-        # every rank fails alike when rank 0 finds none).
+        # every rank fails alike when rank 0 cannot tell).
         dist.broadcast_object_list(picked, src=0)
     if isinstance(picked[0], UserError):
         raise type(picked[0])(str(picked[0]), exit_code=picked[0].exit_code)
-    assert isinstance(picked[0], str)
+    assert picked[0] is None or isinstance(picked[0], str)
     return picked[0]
 
 
 def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                   scheduler: Any = None, name: str | None = None, epoch: int | None = None, step: int | None = None,
                   root: str | Path | None = None, model_name: str | None = None,
-                  config: config_mod.NodeConfig | None = None, verify_hash: bool = False) -> TrainingState:
+                  config: config_mod.NodeConfig | None = None, verify_hash: bool = False,
+                  new_rank_extras: str = "rank0") -> TrainingState | None:
     """Restore model, optimizer and scheduler in place from a checkpoint save_training wrote.
 
-    Which: name=, or epoch= and step=, else the newest committed checkpoint of the model
-    (rank 0 picks it; every rank loads that one). Returns its epoch, step and this rank's extras.
+    Which: name=, or epoch= and step=, else the newest checkpoint committed on either tier
+    (latest_checkpoint: rank 0 picks it, restoring it from the archive when only the archive
+    holds it; every rank loads that one). Returns its epoch, step and this rank's extras, or
+    None when no tier holds a committed checkpoint of the model (a first start: nothing to
+    resume, the model is left as it is):
+
+        state = load_training(model, optim, config=cfg)
+        start = 0 if state is None else state.step + 1
+
+    new_rank_extras: what a rank gets whose rank did not exist at the save (a larger world
+    size): "rank0" (default) rank 0's extras, with a warning logged (RNG state then repeats
+    rank 0's: reseed per rank if that matters), "none" no extras (TrainingState.extra is None;
+    the scheduler is still rank 0's), or "error" a UserError. The scheduler's state is rank 0's
+    in every case: data-parallel ranks step their schedulers alike.
     """
+    if new_rank_extras not in _NEW_RANK_EXTRAS:
+        raise UserError(f"load_training: new_rank_extras={new_rank_extras!r} is not one of {', '.join(_NEW_RANK_EXTRAS)}")
     cfg = _cfg(config, root, model_name)
     if epoch is not None and step is None and name is None:
         raise UserError("load_training: pass step= with epoch= (or name=, or neither for the newest checkpoint)")
-    if name is None and step is None:
-        name = _pick(cfg, None)
-    reader = TieredReader(cfg.root, cfg.model, name=name, epoch=epoch, step=step, config=cfg,
+    if name is None and step is None and cfg.memory.dir:
+        # The memory tier first (tiered_ckpt.memory_tier): own RAM, else the peer's replica, unless
+        # the root holds a newer checkpoint or the world size changed.
+        from tiered_ckpt import memory_tier
+
+        def from_memory(mroot: Path, mname: str) -> TrainingState:
+            r = TieredReader(mroot, cfg.model, name=mname, config=cfg.with_overrides(io={"direct": False}))
+            return _load_into(model, optimizer, scheduler, r, cfg, no_dist=True, new_rank_extras=new_rank_extras)
+
+        got = memory_tier.restore(cfg, from_memory)
+        if got is not None:
+            where, st = got
+            return replace(st, tier=where.tier)
+    if name is None and step is not None:
+        if epoch is None and scheme(cfg.naming).has_epoch:
+            raise UserError(f"load_training: pass epoch= with step= (naming {cfg.naming!r} has an epoch), or name=")
+        name = make_id(epoch or 0, step, cfg.naming).name
+    name = latest_checkpoint(cfg, name=name)
+    if name is None:
+        return None
+    reader = TieredReader(cfg.root, cfg.model, name=name, config=cfg,
                           verify_hash=verify_hash)
+    return _load_into(model, optimizer, scheduler, reader, cfg, no_dist=not _initialised(),
+                      new_rank_extras=new_rank_extras)
+
+
+def _load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,
+               reader: TieredReader, cfg: config_mod.NodeConfig, *, no_dist: bool,
+               new_rank_extras: str) -> TrainingState:
+    """dcp.load of one checkpoint into the model/optimizer/scheduler in place; this rank's extras."""
     state = _states(model, optimizer)
     # Which entries the checkpoint holds (DCP's metadata; read without hashing: dcp.load verifies).
-    keys = set(TieredReader(cfg.root, cfg.model, name=reader.cid.name, config=cfg).read_metadata().state_dict_metadata)
+    keys = set(TieredReader(reader.root, reader.model, name=reader.cid.name, config=cfg).checked_metadata().state_dict_metadata)
     rank, _ = _rank_world()
     own = next((k for k in (_PER_RANK.format(rank=rank), _PER_RANK.format(rank=0)) if k in keys), None)
+    borrowed = own is not None and own != _PER_RANK.format(rank=rank)
+    if borrowed and new_rank_extras == "error":
+        raise UserError(f"{reader.path} was saved by fewer ranks: it holds no extras of rank {rank}; pass "
+                        "new_rank_extras='rank0' (rank 0's) or 'none' (no extras) to load_training")
     if own is not None:
         state[own] = b""
     missing = [k for k in state if k != own and not any(s == k or s.startswith(k + ".") for s in keys)]
@@ -181,7 +259,7 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         raise UserError(f"{reader.path} holds no {' or '.join(missing)} state (it was not written by save_training "
                         f"with {'an optimizer' if OPTIM in missing else 'a model'}); load it with dcp.load instead")
     with _single_process_quiet():
-        dcp.load(state, storage_reader=reader, no_dist=not _initialised())
+        dcp.load(state, storage_reader=reader, no_dist=no_dist)
     if optimizer is None:
         set_model_state_dict(model, state[MODEL])
     else:
@@ -189,6 +267,12 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     extras: dict[str, Any] = {}
     if own is not None:
         extras = torch.load(io.BytesIO(state[own]), weights_only=False)   # written by save_training, like DCP's own
+    if borrowed:
+        if new_rank_extras == "none":
+            extras = {**extras, "extra": None}
+        elif extras.get("extra") is not None:
+            log.warning("rank %d: %s was saved by fewer ranks; this rank gets rank 0's extras (RNG state included: "
+                        "reseed per rank if it must differ; new_rank_extras='none' gives none)", rank, reader.cid.name)
     if scheduler is not None:
         if extras.get("scheduler") is None:
             raise UserError(f"{reader.path} holds no scheduler state (saved without scheduler=); "

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from components import cloud_init as node_boot
 from components import sizing, vm_security
 from tiered_ckpt.cli.output import print_error
 from tiered_ckpt.errors import EXIT_OK, EXIT_USAGE
@@ -157,8 +158,9 @@ def vm_summary(result: mockrun.PreviewResult) -> list[dict[str, Any]]:
             "name": r.name, "kind": "scale set (ND nodes)" if scale_set else "login VM", "size": size, **sent,
             "lustreClient": decided.lustre_client, "why": decided.why,
             "matches": (sent["securityType"], sent["secureBoot"], sent["vTPM"]) == (decided.security_type, decided.secure_boot, decided.vtpm),
-            # The Slurm packages this VM installs: the node boot's side fills this in (printed when set).
-            "slurmPackages": None,
+            # The Slurm packages this VM's boot installs, read from its custom data (components/cloud_init.py).
+            "slurmPackages": _boot(_get(r.inputs, "virtualMachineProfile", "osProfile", "customData") if scale_set
+                                   else _get(r.inputs, "osProfile", "customData")).get("slurm"),
         })
     return out
 
@@ -244,6 +246,14 @@ def _custom_data(v: Any, path: str = "") -> list[tuple[str, str]]:
         for i, x in enumerate(v):
             found += _custom_data(x, f"{path}[{i}]")
     return found
+
+
+def _boot(b64: Any) -> dict[str, str]:
+    """The boot's Slurm packages and Lustre client path, from a VM's custom data (components/cloud_init.py)."""
+    try:
+        return node_boot.boot_facts(base64.b64decode(str(b64 or ""), validate=True).decode())
+    except (binascii.Error, UnicodeDecodeError, yaml.YAMLError):
+        return {}
 
 
 def cloud_init(result: mockrun.PreviewResult) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from pathlib import Path
 from tiered_ckpt.cli.app import os_error_message
 from tiered_ckpt.cli.output import print_error, print_json, redact
 from tiered_ckpt.config import parse_duration
-from tiered_ckpt.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError
+from tiered_ckpt.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, ConfigError, UserError
 from tiered_ops import PROJECT_ROOT as ROOT
 from tiered_ops.delete_archive import delete_archive
 from tiered_ops.teardown import Refused, Teardown
@@ -37,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", nargs="?", choices=("teardown", "delete-archive"), default="teardown",
                    help="teardown (default) or delete-archive (separate, explicit; asks you to type the account name)")
     p.add_argument("--stack", required=True, help="the Pulumi stack, e.g. prod")
-    p.add_argument("--dry-run", action="store_true", help="print every step and the gate's verdict; change nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every step and the gate's verdict; change nothing. Like a real run it reads the stack "
+                        "through the pulumi CLI: it needs `pulumi` on PATH, logged in to the stack's backend, and the "
+                        "stack itself (an offline look at a stack that was never deployed: `make plan`)")
     p.add_argument("--yes", action="store_true",
                    help="skip the ordinary confirmations and the preview (never replaces --force's or delete-archive's typed confirmation)")
     p.add_argument("--force", action="store_true",
@@ -88,12 +92,25 @@ def options(args: argparse.Namespace) -> Options:
     )
 
 
+def _require_pulumi(opts: Options) -> None:
+    """Before any step (the dry run too): the stack is read through the pulumi CLI, so say up front
+    what the run needs rather than failing at its first read."""
+    if shutil.which("pulumi") is None:
+        what = "the dry run" if opts.dry_run else "the teardown"
+        raise ConfigError(
+            f"{what} reads stack {opts.stack!r} (its outputs and config) through the pulumi CLI, which is not on PATH: "
+            "install it (https://www.pulumi.com/docs/install/), log in to the stack's backend (pulumi login), and run "
+            f"from the project directory {opts.project_dir}; for an offline look without a deployed stack: make plan "
+            f"STACK={opts.stack}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # SIGTERM takes the Ctrl-C path: the journal is already written step by step.
     old = signal.signal(signal.SIGTERM, _interrupt) if threading_main() else None
     try:
         opts = options(args)
+        _require_pulumi(opts)
         if args.action == "delete-archive":
             result = delete_archive(opts)
         else:

@@ -22,8 +22,9 @@ from components.slurm_conf import (
     render_cgroup_conf,
     render_gres_conf,
     render_slurm_conf,
-    slurmd_args,
+    render_slurmd_defaults,
 )
+from tests.doubles.image import systemd
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo", "srun")
@@ -112,12 +113,21 @@ class LocalSlurm:
                        "slurmctld did not answer scontrol ping")
             if self.production:
                 return self
-            self._spawn([_bin("slurmd"), "-D", "-f", str(self.conf), *slurmd_args(self.inputs)], logs / "slurmd.out")
+            self._spawn([_bin("slurmd"), "-D", "-f", str(self.conf), *self.slurmd_options()], logs / "slurmd.out")
             self._wait(self._node_idle, startup_timeout, "the dynamic slurmd did not register as an idle node")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def slurmd_options(self) -> list[str]:
+        """SLURMD_OPTIONS as a node's slurmd gets them: the /etc/default/slurmd its boot installs
+        (render_slurmd_defaults), read and expanded the way systemd does for the packaged unit's
+        `ExecStart=slurmd --systemd $SLURMD_OPTIONS` (Debian 22.05's unit here: `slurmd -D -s $SLURMD_OPTIONS`)."""
+        assert self.inputs is not None
+        (self.base / "etc" / "default-slurmd").write_text(render_slurmd_defaults(self.inputs))
+        env = systemd.parse_env_file((self.base / "etc" / "default-slurmd").read_text())
+        return systemd.expand("$SLURMD_OPTIONS", env)
 
     @property
     def health_log(self) -> Path:

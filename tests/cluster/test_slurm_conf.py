@@ -15,10 +15,12 @@ from components.slurm_conf import (
     render_cgroup_conf,
     render_gres_conf,
     render_slurm_conf,
+    render_slurmd_defaults,
     slurm_version_supported,
     slurmd_args,
 )
 from tests.cluster.slurm import LocalSlurm, missing_binaries
+from tests.doubles.image import systemd
 
 
 def _prod(**kw: object) -> SlurmConfInputs:
@@ -111,7 +113,7 @@ def test_controller_accepts_the_nd_configuration_and_gpu_nodes_join_the_partitio
         # What a dynamic slurmd -Z --conf "Gres=gpu:8 Feature=ndv5" registration creates (slurmd
         # itself needs GPUs and cgroups this machine lacks): the same node line, State=FUTURE.
         assert cluster.inputs is not None
-        nd = slurmd_args(cluster.inputs)[2].split()
+        nd = cluster.slurmd_options()[2].split()
         cluster.run("scontrol", "create", "NodeName=nd-0001", "CPUs=96", "RealMemory=1000", *nd, "State=FUTURE")
         cluster.run("scontrol", "create", "NodeName=other-1", "CPUs=4", "Feature=cpu", "State=FUTURE")
         node = cluster.run("scontrol", "--future", "show", "node", "nd-0001").stdout
@@ -120,3 +122,48 @@ def test_controller_accepts_the_nd_configuration_and_gpu_nodes_join_the_partitio
         assert "other-1" in other and "Partitions=gpu" not in other, other
     finally:
         cluster.stop()
+
+
+SCHEDMD_UNIT = Path(__file__).resolve().parents[1] / "doubles" / "image" / "units" / "slurmd.service.in"
+
+
+def _install_unit(root: Path, text: str) -> None:
+    (root / "lib/systemd/system").mkdir(parents=True)
+    (root / "etc/default").mkdir(parents=True)
+    (root / "lib/systemd/system/slurmd.service").write_text(text)
+    (root / "etc/default/slurmd").write_text(render_slurmd_defaults(_prod()))
+
+
+def test_the_packaged_notify_unit_runs_slurmd_with_systemd_and_the_dynamic_node_options(tmp_path: Path) -> None:
+    """Slurm 23.11+'s unit (SchedMD etc/slurmd.service.in, kept in tests/doubles/image/units with its tag):
+    Type=notify, `slurmd --systemd $SLURMD_OPTIONS`; the nodes' /etc/default/slurmd gives -Z and one --conf word."""
+    text = SCHEDMD_UNIT.read_text()
+    assert "Type=notify" in text and "ExecStart=@sbindir@/slurmd --systemd $SLURMD_OPTIONS" in text
+    _install_unit(tmp_path, text.replace("@sbindir@", "/usr/sbin").replace("@SYSTEMD_TASKSMAX_OPTION@", ""))
+    unit = systemd.load_unit(tmp_path, "slurmd.service")
+    assert unit is not None and unit.service["Type"] == "notify"
+    assert systemd.exec_start(tmp_path, unit) == ["/usr/sbin/slurmd", "--systemd", *slurmd_args(_prod())]
+
+
+def test_debians_unit_reads_the_same_options(tmp_path: Path) -> None:
+    """The real-Slurm tests run Debian bookworm's 22.05 (Type=simple, `slurmd -D -s $SLURMD_OPTIONS`): the
+    same /etc/default/slurmd reaches it, so those tests start slurmd with the nodes' options."""
+    deb = Path("/lib/systemd/system/slurmd.service")
+    if not deb.exists():
+        pytest.skip("Debian's slurmd package is not installed (`make debs`)")
+    _install_unit(tmp_path, deb.read_text())
+    unit = systemd.load_unit(tmp_path, "slurmd.service")
+    assert unit is not None
+    argv = systemd.exec_start(tmp_path, unit)
+    assert argv[-3:] == slurmd_args(_prod()) and "--systemd" not in argv
+
+
+def test_a_quote_in_the_node_options_is_refused() -> None:
+    with pytest.raises(ValueError, match="quote"):
+        render_slurmd_defaults(_prod(node_feature='nd"v5'))
+
+
+@pytest.mark.slurm
+def test_a_dynamic_slurmd_started_from_the_nodes_default_file_registers_with_its_feature(slurm: LocalSlurm) -> None:
+    node = slurm.run("scontrol", "show", "node", slurm.node).stdout
+    assert re.search(r"AvailableFeatures=ndv5\b", node) and "DYNAMIC" in node and "Partitions=gpu" in node, node

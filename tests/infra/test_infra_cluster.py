@@ -167,16 +167,17 @@ def test_slurm_controller_and_dynamic_nodes_share_one_rendered_config(plan: Plan
     assert f"MaxNodeCount={100}" in conf.splitlines()           # the stack's node limit: nodeCount changes nothing here
     assert f"HealthCheckProgram={cloud_init.HEALTHCHECK}" in conf.splitlines()
     assert "GresTypes=gpu" in conf and node["/etc/slurm/gres.conf"] == "Name=gpu File=/dev/nvidia[0-7]\n"
-    # ND nodes register themselves as dynamic nodes with 8 GPUs; the controller does not run slurmd.
-    dropin = node["/etc/systemd/system/slurmd.service.d/tiered-ckpt.conf"]
-    assert 'ExecStart=/usr/sbin/slurmd -D -s -Z --conf "Gres=gpu:8 Feature=ndv5"' in dropin
+    # ND nodes register themselves as dynamic nodes with 8 GPUs (the options the packaged slurmd unit reads
+    # from /etc/default/slurmd); the controller does not run slurmd.
+    assert node[cloud_init.SLURMD_DEFAULTS] == "".join(
+        ln + "\n" for ln in node[cloud_init.SLURMD_DEFAULTS].splitlines())
+    assert "SLURMD_OPTIONS='-Z --conf \"Gres=gpu:8 Feature=ndv5\"'" in node[cloud_init.SLURMD_DEFAULTS]
     assert slurm_conf.node_conf(slurm_conf.SlurmConfInputs("x", "y", 1)) == "Gres=gpu:8 Feature=ndv5"
-    assert "/etc/systemd/system/slurmd.service.d/tiered-ckpt.conf" not in login
-    lboot, nboot = login[cloud_init.BOOTSTRAP], node[cloud_init.BOOTSTRAP]
-    assert "apt-get install -y -q munge slurmctld slurm-client" in lboot and f"{cloud_init.MUNGE_KEY_TOOL} init" in lboot
-    assert "systemctl restart slurmd" not in lboot
-    assert "apt-get install -y -q munge slurmd slurm-client" in nboot and f"{cloud_init.MUNGE_KEY_TOOL} fetch" in nboot
-    assert nboot.index(f"{cloud_init.MUNGE_KEY_TOOL} fetch") < nboot.index("systemctl restart slurmd")
+    assert cloud_init.SLURMD_DEFAULTS not in login
+    assert login[cloud_init.BOOTSTRAP] == (cloud_init.SCRIPTS / "bootstrap-login.sh").read_text()
+    assert node[cloud_init.BOOTSTRAP] == (cloud_init.SCRIPTS / "bootstrap-node.sh").read_text()
+    for raw in (login, node):
+        assert f"SLURM_VERSION={slurm_conf.SLURM_VERSION}\n" in raw[cloud_init.BOOT_ENV]
     # Same slurm.conf whatever the node count.
     assert files_of(login_data(plan("prod", nodeCount=40)))["/etc/slurm/slurm.conf"] == conf
 
@@ -187,9 +188,9 @@ def test_each_vm_reads_the_munge_key_from_the_vault_with_its_own_identity(plan: 
     node_id = p.one(T + "managedidentity:UserAssignedIdentity", "gpu-identity").state["clientId"]
     login_id = p.one(T + "managedidentity:UserAssignedIdentity", "login-identity").state["clientId"]
     for raw, client in ((login_data(p), login_id), (custom_data(p), node_id)):
-        tool = files_of(raw)[cloud_init.MUNGE_KEY_TOOL]
-        assert f"default='https://{vault}.vault.azure.net'" in tool and f"default={client!r}" in tool
-        assert "default='munge-key'" in tool
+        env = files_of(raw)[cloud_init.BOOT_ENV]
+        assert f"VAULT_URL=https://{vault}.vault.azure.net\n" in env and f"VAULT_CLIENT_ID={client}\n" in env
+        assert "MUNGE_SECRET=munge-key\n" in env
 
 
 def test_nodes_get_nccl_health_check_and_event_watcher_and_the_login_gets_retention(plan: Plan) -> None:
@@ -202,20 +203,20 @@ def test_nodes_get_nccl_health_check_and_event_watcher_and_the_login_gets_retent
     assert "export NCCL_TOPO_FILE=/opt/microsoft/ndv4-topo.xml" in dev_node[cloud_init.NCCL_PROFILE]
     assert cloud_init.HEALTHCHECK in node and cloud_init.HEALTHCHECK not in login
     unit = f"/etc/systemd/system/{cloud_init.EVENTS_UNIT}.service"
-    assert "--mount /lustrefs --drain" in node[unit] and "--drain" not in login[unit]
+    assert unit in node and unit in login           # --drain on nodes only: tests/infra/test_infra_bootstrap.py
     assert f"/etc/systemd/system/{cloud_init.UNIT}.timer" in login and f"/etc/systemd/system/{cloud_init.UNIT}.timer" not in node
 
 
 def test_training_user_owns_the_checkpoint_tree_setgid_on_every_vm(plan: Plan) -> None:
+    # The tree itself is made by scripts/lib/boot-common.sh (executed in test_infra_bootstrap.py).
     p = plan("prod", trainingUser="trainer", trainingGroup="mlteam")
     for raw in (login_data(p), custom_data(p)):
-        boot = files_of(raw)[cloud_init.BOOTSTRAP]
-        assert f"groupadd --gid {cloud_init.TRAINING_GID} mlteam" in boot
-        assert f"useradd --uid {cloud_init.TRAINING_UID} --gid mlteam --create-home --shell /bin/bash trainer" in boot
-        assert 'chown trainer:mlteam "$d"' in boot and 'chmod 2775 "$d"' in boot
-        assert "for d in /lustrefs/checkpoints /lustrefs/checkpoints/default; do" in boot
-    boot = files_of(custom_data(plan("prod")))[cloud_init.BOOTSTRAP]
-    assert 'chown azureuser:training "$d"' in boot and "useradd --uid" not in boot    # default: the admin user trains
+        env = files_of(raw)[cloud_init.BOOT_ENV]
+        assert "TRAINING_USER=trainer\n" in env and "TRAINING_GROUP=mlteam\n" in env
+        assert f"TRAINING_GID={cloud_init.TRAINING_GID}\n" in env and "LUSTRE_ROOT=/lustrefs/checkpoints\n" in env
+        assert "MODEL=default\n" in env
+    env = files_of(custom_data(plan("prod")))[cloud_init.BOOT_ENV]
+    assert "TRAINING_USER=azureuser\n" in env and "ADMIN_USER=azureuser\n" in env
 
 
 def test_cluster_mode_none_deploys_storage_and_amlfs_without_vms_and_outputs_a_bootstrap_script(plan: Plan, tmp_path: Path) -> None:
@@ -233,9 +234,10 @@ def test_cluster_mode_none_deploys_storage_and_amlfs_without_vms_and_outputs_a_b
     assert o["nodeIdentityId"] == uami.id and o["nodeIdentityClientId"] == uami.state["clientId"]
     script = o["nodeBootstrapScript"]
     assert script.startswith("#!/bin/bash\n") and "--retention" in script and "az vmss identity assign" in script
-    assert f"{mockrun.MOCK_MGS}@tcp:/lustrefs /lustrefs lustre" in script and "/etc/tiered-ckpt/config.yaml" in script
-    assert f"client_id={uami.state['clientId']}" in script
-    assert "slurm" not in script.lower().replace("cyclecloud slurm", "")      # their cluster keeps its own scheduler
+    assert f"MGS={mockrun.MOCK_MGS}\n" in script and "/etc/tiered-ckpt/config.yaml" in script
+    assert f"IDENTITY_CLIENT_ID={uami.state['clientId']}\n" in script
+    # Their cluster keeps its own scheduler: no Slurm settings, configuration or munge key of ours.
+    assert "\nSLURM=0\n" in script and "/etc/slurm/" not in script and cloud_init.MUNGE_KEY_TOOL not in script
     f = tmp_path / "boot.sh"
     f.write_text(script)
     assert subprocess.run(["bash", "-n", str(f)], capture_output=True, timeout=30).returncode == 0
@@ -251,14 +253,15 @@ def test_bootstrap_script_installs_every_file_and_enables_retention_only_when_as
     body = "\n".join(ln for ln in body.splitlines() if not ln.startswith("apt-get "))
     root = tmp_path / "root"
     body = body.replace(" /etc/", f" {root}/etc/").replace(" /usr/", f" {root}/usr/")
-    r = subprocess.run(["bash", "-euc", 'RETENTION=0\n' + body], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(["bash", "-euc", body], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert (root / "etc/tiered-ckpt/config.yaml").is_file()
     assert (root / "etc/systemd/system/tiered-ckpt-retention.timer").is_file()
     boot = root / "usr/local/sbin/tiered-ckpt-bootstrap"
     assert boot.stat().st_mode & 0o777 == 0o755
     text = boot.read_text()
-    assert 'if [ "$RETENTION" = 1 ]; then systemctl enable --now tiered-ckpt-retention.timer' in text
+    assert text.splitlines()[-1] == (cloud_init.SCRIPTS / "bootstrap-node.sh").read_text().splitlines()[-1]
+    assert '[ "${1:-}" = --retention ] && RETENTION=1' in text and script.endswith('exec /usr/local/sbin/tiered-ckpt-bootstrap "$@"\n')
 
 
 def test_the_secret_detector_finds_a_munge_key() -> None:

@@ -12,96 +12,20 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 import pytest
 
 from components import cloud_init
+from tests.doubles.azure_vm import SECRET, FakeAzure
 
 from .test_infra_cloud_init import _inputs
 
 pytestmark = pytest.mark.timeout(120)
-SCRIPTS = Path(cloud_init.__file__).resolve().parent / "node_scripts"
-SECRET = "munge-key"
-
-
-class FakeAzure:
-    """IMDS + one Key Vault. `readers`/`writers`: client IDs holding Secrets User / Secrets Officer."""
-
-    def __init__(self, log: Path) -> None:
-        self.secrets: dict[str, str] = {}
-        self.readers: set[str] = set()
-        self.writers: set[str] = set()
-        self.puts: list[str] = []
-        self.events: dict[str, Any] = {"DocumentIncarnation": 1, "Events": []}
-        self.acks: list[Any] = []
-        self.log = log
-        azure = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _send(self, code: int, body: Any = None) -> None:
-                data = (body if isinstance(body, str) else json.dumps(body or {})).encode()
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _client(self) -> str:
-                return self.headers.get("Authorization", "").removeprefix("Bearer tok-")
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
-                u = urlparse(self.path)
-                q = parse_qs(u.query)
-                if u.path.startswith("/metadata/"):
-                    if self.headers.get("Metadata") != "true":
-                        return self._send(400, {"error": "Metadata header required"})
-                    if u.path == "/metadata/identity/oauth2/token":
-                        assert q["resource"] == ["https://vault.azure.net"]
-                        return self._send(200, {"access_token": "tok-" + q["client_id"][0], "expires_in": "3599"})
-                    if u.path == "/metadata/scheduledevents":
-                        assert q["api-version"] == ["2020-07-01"]
-                        return self._send(200, azure.events)
-                    if u.path == "/metadata/instance/compute/name":
-                        return self._send(200, "vm0")
-                if u.path == f"/secrets/{SECRET}" and q.get("api-version") == ["7.4"]:
-                    who = self._client()
-                    if who not in azure.readers | azure.writers:
-                        return self._send(403, {"error": {"code": "Forbidden"}})
-                    if SECRET not in azure.secrets:
-                        return self._send(404, {"error": {"code": "SecretNotFound"}})
-                    return self._send(200, {"value": azure.secrets[SECRET], "id": "x"})
-                self._send(404)
-
-            def do_PUT(self) -> None:  # noqa: N802
-                u = urlparse(self.path)
-                who = self._client()
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                azure.puts.append(who)
-                if who not in azure.writers:
-                    return self._send(403, {"error": {"code": "Forbidden"}})
-                azure.secrets[u.path.rsplit("/", 1)[1]] = body["value"]
-                self._send(200, {"value": body["value"]})
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                assert self.headers.get("Metadata") == "true"
-                azure.acks.append(body)
-                with open(azure.log, "a") as f:
-                    f.write(f"ack {json.dumps(body)}\n")
-                self._send(200)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+SCRIPTS = cloud_init.SCRIPTS
 
 
 @pytest.fixture
@@ -112,7 +36,7 @@ def azure(tmp_path: Path) -> Iterator[FakeAzure]:
 
 
 def munge(azure: FakeAzure, mode: str, client: str, key_file: Path, timeout: float = 20, **kw: Any) -> subprocess.Popen[str]:
-    cmd = [sys.executable, str(SCRIPTS / "munge_key.py"), mode, "--vault", azure.url, "--imds", azure.url, "--secret", SECRET,
+    cmd = [sys.executable, str(SCRIPTS / "munge-key.py"), mode, "--vault", azure.url, "--imds", azure.url, "--secret", SECRET,
            "--client-id", client, "--key-file", str(key_file), "--owner", "", "--interval", "0.2", "--timeout", str(timeout)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
@@ -170,6 +94,10 @@ def _fake_bins(tmp_path: Path, log: Path, mounted: bool = True, gpus: int = 8) -
         "nvidia-smi": f'for i in $(seq 1 {gpus}); do echo "GPU $((i-1)): NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done',
         "hostname": 'echo node7',
         "logger": f'echo "logger $*" >> {log}',
+        # squeue -h -w NODE -o %i: the node's jobs (a file of job ids; a job ends when the file is emptied).
+        "squeue": f'cat {tmp_path}/jobs 2>/dev/null; true',
+        "scancel": f'echo "scancel $*" >> {log}; : > {tmp_path}/jobs',
+        "systemctl": f'echo "systemctl $*" >> {log}',
     }
     for name, body in scripts.items():
         (bins / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -179,21 +107,97 @@ def _fake_bins(tmp_path: Path, log: Path, mounted: bool = True, gpus: int = 8) -
     return {"PATH": f"{bins}:/usr/bin:/bin"}
 
 
-def test_a_terminate_notice_drains_then_unmounts_lustre_then_acknowledges(azure: FakeAzure, tmp_path: Path) -> None:
+def _events(azure: FakeAzure, tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPTS / "scheduled-events.py"), "--imds", azure.url, "--once", "--drain",
+                           "--mount", "/lustrefs", "--grace", "5", "--job-grace", "5", "--marker", str(tmp_path / "marker"),
+                           *extra], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_a_terminate_notice_drains_checkpoints_unmounts_deletes_the_node_then_acknowledges(azure: FakeAzure,
+                                                                                             tmp_path: Path) -> None:
     log = azure.log
     env = _fake_bins(tmp_path, log)
+    (tmp_path / "jobs").write_text("41\n")
     azure.events["Events"] = [
         {"EventId": "other-vm", "EventType": "Terminate", "Resources": ["vm9"], "EventStatus": "Scheduled", "NotBefore": ""},
         {"EventId": "freeze", "EventType": "Freeze", "Resources": ["vm0"], "EventStatus": "Scheduled", "NotBefore": ""},
         {"EventId": "E-1", "EventType": "Terminate", "Resources": ["vm0"], "EventStatus": "Scheduled",
          "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT"},
     ]
-    r = subprocess.run([sys.executable, str(SCRIPTS / "scheduled_events.py"), "--imds", azure.url, "--once", "--drain",
-                        "--mount", "/lustrefs", "--grace", "5"], capture_output=True, text=True, timeout=60, env=env)
+    r = _events(azure, tmp_path, env)
     assert r.returncode == 0, r.stdout + r.stderr
+    node = os.uname().nodename.split(".")[0]
     calls = log.read_text().splitlines()
-    assert calls == ["scontrol update nodename=" + os.uname().nodename.split(".")[0] + " state=drain reason=azure scheduled event Terminate E-1",
-                     "umount /lustrefs", 'ack {"StartRequests": [{"EventId": "E-1"}]}'], calls
+    # A dynamic node stays registered until deleted (SchedMD dynamic_nodes.shtml): drained, its job told to
+    # checkpoint (examples/train.sbatch traps USR1), Lustre left, slurmd stopped, the node deleted, then ack.
+    assert calls == [f"scontrol update nodename={node} state=drain reason=azure scheduled event Terminate E-1",
+                     "scancel --signal=USR1 --batch 41", "umount /lustrefs", "systemctl stop slurmd",
+                     f"scontrol delete nodename={node}", 'ack {"StartRequests": [{"EventId": "E-1"}]}'], calls
+
+
+@pytest.mark.parametrize("kind", ["Reboot", "Redeploy"])
+def test_a_maintenance_reboot_drains_checkpoints_unmounts_acknowledges_and_resumes_the_node_afterwards(
+        azure: FakeAzure, tmp_path: Path, kind: str) -> None:
+    """ND H100 v5 does not live-migrate: Reboot and Redeploy take the node down, and it comes back by name."""
+    log = azure.log
+    env = _fake_bins(tmp_path, log)
+    (tmp_path / "jobs").write_text("7\n")
+    azure.events["Events"] = [{"EventId": "R-1", "EventType": kind, "Resources": ["vm0"], "EventStatus": "Scheduled"}]
+    r = _events(azure, tmp_path, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    node = os.uname().nodename.split(".")[0]
+    calls = log.read_text().splitlines()
+    assert calls == [f"scontrol update nodename={node} state=drain reason=azure scheduled event {kind} R-1",
+                     "scancel --signal=USR1 --batch 7", "umount /lustrefs", 'ack {"StartRequests": [{"EventId": "R-1"}]}'], calls
+    assert not any("delete" in c for c in calls)          # the VM returns under its name
+    # While the event is still listed (the VM has not gone down yet): nothing more. After the reboot (the
+    # event gone), the watcher returns the node to service once.
+    log.write_text("")
+    assert _events(azure, tmp_path, env).returncode == 0 and log.read_text() == ""
+    azure.events["Events"] = []
+    for _ in range(2):
+        assert _events(azure, tmp_path, env).returncode == 0
+    assert log.read_text().splitlines() == [f"scontrol update nodename={node} state=resume"]
+    assert not (tmp_path / "marker").exists()
+
+
+def test_the_controller_deletes_dynamic_nodes_that_stay_down_and_keeps_the_rest(tmp_path: Path) -> None:
+    """scripts/slurm-cleanup.sh (tiered-ckpt-slurm-cleanup.timer on the login VM): a node DOWN at two runs in a
+    row and running nothing is deleted; one DOWN only once (a reboot) or still running a job stays."""
+    log = tmp_path / "calls.log"
+    env = _fake_bins(tmp_path, log)
+    bins = tmp_path / "bin"
+    (bins / "sinfo").write_text(f"#!/bin/bash\ncat {tmp_path}/down\n")
+    (bins / "squeue").write_text('#!/bin/bash\n[ "$3" = busy ] && echo 12; true\n')
+    for b in ("sinfo", "squeue"):
+        (bins / b).chmod(0o755)
+    env["CLEANUP_STATE"] = str(tmp_path / "state")
+
+    def run(down: str) -> list[str]:
+        (tmp_path / "down").write_text(down)
+        log.write_text("")
+        r = subprocess.run(["bash", str(SCRIPTS / "slurm-cleanup.sh")], capture_output=True, text=True, timeout=30, env=env)
+        assert r.returncode == 0, r.stderr
+        return log.read_text().splitlines()
+
+    assert run("gone\nbusy\n") == []                                   # first sighting
+    assert run("gone\nbusy\nrebooting\n") == ["scontrol delete nodename=gone"]
+    assert run("rebooting\n") == ["scontrol delete nodename=rebooting"]
+    assert run("") == []
+
+
+def test_with_the_memory_tier_the_notice_is_written_before_anything_else(azure: FakeAzure, tmp_path: Path) -> None:
+    env = _fake_bins(tmp_path, azure.log)
+    azure.events["Events"] = [{"EventId": "P-1", "EventType": "Preempt", "Resources": ["vm0"], "EventStatus": "Scheduled",
+                               "NotBefore": ""}]
+    notice = tmp_path / "run" / "tiered-ckpt" / "preempt"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "scheduled-events.py"), "--imds", azure.url, "--once", "--drain",
+                        "--mount", "/lustrefs", "--grace", "5", "--notice", str(notice)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(notice.read_text())["EventType"] == "Preempt"      # what memory.notice_file waits for
+    out = r.stdout
+    assert out.index("notice written") < out.index("unmounted") < out.index("acknowledged P-1"), out
 
 
 def test_a_busy_mount_gets_its_processes_stopped_before_the_acknowledgement(azure: FakeAzure, tmp_path: Path) -> None:
@@ -203,7 +207,7 @@ def test_a_busy_mount_gets_its_processes_stopped_before_the_acknowledgement(azur
     busy.write_text(f'#!/bin/bash\necho "umount $*" >> {log}\n[ -e {tmp_path}/killed ] && exit 0; exit 32\n')
     (tmp_path / "bin" / "fuser").write_text(f'#!/bin/bash\necho "fuser $*" >> {log}; touch {tmp_path}/killed\n')
     azure.events["Events"] = [{"EventId": "P-1", "EventType": "Preempt", "Resources": ["vm0"], "EventStatus": "Scheduled"}]
-    r = subprocess.run([sys.executable, str(SCRIPTS / "scheduled_events.py"), "--imds", azure.url, "--once", "--mount", "/lustrefs",
+    r = subprocess.run([sys.executable, str(SCRIPTS / "scheduled-events.py"), "--imds", azure.url, "--once", "--mount", "/lustrefs",
                         "--grace", "1"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = log.read_text().splitlines()
@@ -212,12 +216,12 @@ def test_a_busy_mount_gets_its_processes_stopped_before_the_acknowledgement(azur
     assert calls[-1] == 'ack {"StartRequests": [{"EventId": "P-1"}]}'
 
 
-def _healthcheck(tmp_path: Path) -> Path:
-    content = cloud_init._healthcheck(_inputs())       # what the ND nodes' custom data installs at HEALTHCHECK
-    path = tmp_path / "healthcheck"
-    # The stand-ins on PATH replace the system tools; the script's own PATH line would hide them.
-    path.write_text(content.replace("PATH=/usr/local/sbin", "PATH=$PATH:/usr/local/sbin"))
-    return path
+def _healthcheck(tmp_path: Path, env: dict[str, str]) -> list[str]:
+    """The ND nodes' HEALTHCHECK as installed, with the settings of a rendered node's BOOT_ENV."""
+    boot_env = tmp_path / "boot.env"
+    boot_env.write_text(cloud_init.render_boot_env(_inputs()))
+    env["BOOT_ENV"] = str(boot_env)
+    return ["bash", str(SCRIPTS / "healthcheck.sh")]
 
 
 # /lustrefs is an automount point: stat mounts it (or fails when the MGS is unreachable); a stat that
@@ -234,7 +238,7 @@ def test_health_check_drains_a_node_without_lustre_or_gpus(tmp_path: Path, mount
     env = _fake_bins(tmp_path, log, mounted=mounted, gpus=gpus)
     (tmp_path / "bin" / "stat").write_text(f"#!/bin/bash\nexit {0 if responds else 1}\n")
     (tmp_path / "bin" / "stat").chmod(0o755)
-    r = subprocess.run(["bash", str(_healthcheck(tmp_path))], capture_output=True, text=True, timeout=60, env=env)
+    r = subprocess.run(_healthcheck(tmp_path, env), capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert f"scontrol update nodename=node7 state=drain reason={reason}" in log.read_text().splitlines()
 
@@ -244,5 +248,5 @@ def test_health_check_leaves_a_healthy_node_alone(tmp_path: Path) -> None:
     env = _fake_bins(tmp_path, log)
     (tmp_path / "bin" / "stat").write_text("#!/bin/bash\nexit 0\n")
     (tmp_path / "bin" / "stat").chmod(0o755)
-    r = subprocess.run(["bash", str(_healthcheck(tmp_path))], capture_output=True, text=True, timeout=60, env=env)
+    r = subprocess.run(_healthcheck(tmp_path, env), capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and not log.exists()

@@ -88,8 +88,9 @@ def test_preview_json_has_structured_inputs_and_the_decoded_cloud_init_with_plac
     # The boot script of the scale set, as jq would pull it out, decoded and parsed.
     vmss = next(c for c in doc["cloudInit"] if c["type"] == "azure-native:compute:VirtualMachineScaleSet")
     assert vmss["input"] == "virtualMachineProfile.osProfile.customData"
-    boot = [f["content"] for f in _q(vmss, "cloudConfig.write_files[]") if f["path"] == "/usr/local/sbin/tiered-ckpt-bootstrap"]
-    assert len(boot) == 1 and "x-systemd.automount" in boot[0] and "--require-hashes" in boot[0]
+    boot = [f["content"] for f in _q(vmss, "cloudConfig.write_files[]") if f["path"] == "/etc/tiered-ckpt/boot.env"]
+    lib = [f["content"] for f in _q(vmss, "cloudConfig.write_files[]") if f["path"] == "/usr/local/lib/tiered-ckpt/boot-common.sh"]
+    assert len(boot) == 1 and "x-systemd.automount" in boot[0] and len(lib) == 1 and "--require-hashes" in lib[0]
     # The step shows the custom data by size and hash (no long base64 run in plan output); the decoded text
     # is those bytes: the program's own customData, decoded here independently.
     shown = _q(steps["tiered-gpu-vmss"], "inputs.virtualMachineProfile.osProfile.customData")[0]
@@ -100,7 +101,7 @@ def test_preview_json_has_structured_inputs_and_the_decoded_cloud_init_with_plac
     # What the mocks invented is labelled, and each boot script says which of those it holds.
     labels = {p["label"]: p for p in doc["placeholders"]}
     assert labels["mgsAddress"]["value"] == "10.42.0.4" and "known only once AMLFS exists" in labels["mgsAddress"]["what"]
-    assert f"{labels['mgsAddress']['value']}@tcp:/lustrefs" in boot[0]
+    assert f"MGS={labels['mgsAddress']['value']}\n" in boot[0]
     assert "mgsAddress" in vmss["placeholders"] and "tiered-gpu-identity.clientId" in vmss["placeholders"]
     assert all(s["urn"].startswith("urn:pulumi:prod::") for s in doc["steps"])
 

@@ -62,3 +62,29 @@ def test_sizing_report_lines_name_the_numbers() -> None:
 @pytest.mark.parametrize(("tib", "prefix"), [(4, 27), (16, 27), (20, 26), (40, 26), (44, 25), (92, 25), (96, 24), (128, 24), (196, 24), (200, 23), (400, 23), (768, 22)])
 def test_amlfs_subnet_table(tib: int, prefix: int) -> None:
     assert subnets.required_prefix(tib) == prefix
+
+
+def test_the_memory_tier_is_sized_against_the_nodes_ram() -> None:
+    z = sizing.compute(load("prod", memoryKeep=2))
+    assert z.memory_node_share_gib == pytest.approx(114.0)          # 912 GiB over 8 nodes
+    assert z.memory_tmpfs_gib == pytest.approx(456.0)               # 2 kept x (own + the peer's replica)
+    assert z.vm_ram_gib == 1900 and z.memory_fits                   # ND H100 v5: /dev/shm is half of it
+    assert dict(sizing.report(z))["memory tier per node"].startswith("456 GiB tmpfs = 2 x 2 copies of a 114 GiB node share")
+    assert dict(sizing.report(sizing.compute(load("prod"))))["memory tier per node"] == "off (tiered:memoryKeep 0)"
+    with pytest.raises(settings.SettingsError, match=r"tiered:memoryKeep: 5 needs a 1140 GiB tmpfs per node .*1900 GiB"):
+        load("prod", memoryKeep=5)
+
+
+def test_the_node_config_carries_the_memory_tier_when_it_is_on() -> None:
+    from components import cloud_init
+
+    n = cloud_init.NodeInputs(mgs_address="10.0.0.4@tcp", account_url="https://a.blob.core.windows.net", data_container="c",
+                              blob_prefix="checkpoints", lustre_root="/lustrefs/checkpoints", model="m", nodes=8,
+                              identity_client_id="id", subscription_id="s", resource_group="g", filesystem="f",
+                              autoexport_job="j", provisioned_gbps=64.0, keep_last=3, keep_every_steps=0, min_keep=2,
+                              action="release", schedule="*:0/15", tools_url="https://t/c/b", tools_sha256="0" * 64,
+                              memory_keep=2, memory_budget_bytes=456 << 30)
+    cfg = cloud_init.node_config(n)
+    assert (cfg.memory.dir, cfg.memory.keep, cfg.memory.budget_bytes) == ("/dev/shm/tiered-ckpt", 2, 456 << 30)
+    off = cloud_init.node_config(cloud_init.NodeInputs(**{**n.__dict__, "memory_keep": 0}))
+    assert off.memory.dir is None

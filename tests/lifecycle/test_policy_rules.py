@@ -10,8 +10,10 @@ from tiered_ckpt.lifecycle.policy import (
     KeepEverySteps,
     KeepLast,
     KeepNewerThan,
+    KeepPinned,
     KeepRestoredWithin,
     Policy,
+    decide,
     guards,
 )
 from tiered_ckpt.naming import CheckpointId
@@ -52,6 +54,16 @@ def test_guards_are_not_keep_rules() -> None:
 
 def test_from_config_builds_only_the_rules_switched_on() -> None:
     rules = Policy.from_config(RetentionConfig(keep_last=4), restore_grace=0.0).keep_rules().rules
-    assert rules == (KeepLast(4),)
+    assert rules == (KeepLast(4), KeepPinned())            # keep-pins are always honoured
     p = Policy(keep_last=2, keep_every_steps=100, keep_newer_than=60.0, restore_grace=30.0)
-    assert p.keep_rules().rules == (KeepLast(2), KeepEverySteps(100), KeepNewerThan(60.0), KeepRestoredWithin(30.0))
+    assert p.keep_rules().rules == (KeepLast(2), KeepPinned(), KeepEverySteps(100), KeepNewerThan(60.0),
+                                    KeepRestoredWithin(30.0))
+
+
+def test_a_pinned_checkpoint_is_kept_whatever_the_other_rules_say() -> None:
+    from dataclasses import replace
+
+    old = replace(cand(5), archived=True, pinned_by=("lightning: /runs/ck/epoch=0-step=5.ckpt",))
+    newer = [cand(s) for s in (10, 20, 30)]
+    d = {x.name: x for x in decide([old, *newer], Policy(keep_last=1, min_keep=1, restore_grace=0), NOW)}
+    assert d[old.name].action == "keep" and d[old.name].reasons == ("pinned (lightning: /runs/ck/epoch=0-step=5.ckpt)",)

@@ -6,6 +6,7 @@ before anything is deleted; a re-run after an interruption continues; --dry-run 
 """
 from __future__ import annotations
 
+import pathlib
 from datetime import timedelta
 
 import pytest
@@ -478,3 +479,20 @@ def test_an_unwritable_journal_is_one_clear_error(env: Env) -> None:
     r = env.run("--yes")
     assert r.rc in (1, 2) and "Traceback" not in r.err
     assert str(env.journal_dir) in r.flat and env.mutating() == []
+
+
+def test_without_the_pulumi_cli_the_dry_run_says_up_front_what_it_needs(tmp_path: pathlib.Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PATH="/usr/bin:/bin", PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run([sys.executable, "-m", "tiered_ops.teardown_cli", "--stack", "prod", "--dry-run",
+                        "--state-dir", str(tmp_path / "td")], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr
+    first = p.stderr.strip().splitlines()[0]
+    assert first.startswith("error: the dry run reads stack 'prod'") and "pulumi CLI, which is not on PATH" in first, p.stderr
+    assert "make plan STACK=prod" in " ".join(p.stderr.split())
+    h = subprocess.run([sys.executable, "-m", "tiered_ops.teardown_cli", "--help"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert "needs `pulumi` on PATH" in " ".join(h.stdout.split())

@@ -147,8 +147,9 @@ def test_a_checkpoint_without_its_marker_is_refused(root: Path, tmp_path: Path) 
     _run("dtensor-save", root, tmp_path, 1)
     d = root / "m" / "global_epoch0_step2"
     (d / mf.MARKER).unlink()
+    reader = TieredReader(root, "m", epoch=0, step=2)       # DCP's convention: nothing is read before dcp.load
     with pytest.raises(IntegrityError, match=f"{d} is not a committed checkpoint"):
-        TieredReader(root, "m", epoch=0, step=2)
+        reader.checked_metadata()
 
 
 def test_a_committed_name_is_refused(root: Path, tmp_path: Path) -> None:
@@ -157,6 +158,7 @@ def test_a_committed_name_is_refused(root: Path, tmp_path: Path) -> None:
 
     _run("dtensor-save", root, tmp_path, 1)
     w = TieredWriter(root, "m", name="global_epoch0_step2")
+    w.set_up_storage_writer(True)
     with pytest.raises(ConflictError, match="already a committed checkpoint"):
         w.prepare_global_plan([])
     assert _committed(root) == ["global_epoch0_step2"]

@@ -150,6 +150,7 @@ def test_a_pickled_writer_carries_no_claim_and_no_descriptor(root: Path) -> None
     from tiered_ckpt.errors import ConflictError
 
     w = TieredWriter(root, "m", epoch=0, step=9)
+    w.set_up_storage_writer(True)
     w.prepare_global_plan([])                   # the coordinator's claim, and the directory open
     assert w._dfd is not None
     copy = pickle.loads(pickle.dumps(w))

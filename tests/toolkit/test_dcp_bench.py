@@ -19,6 +19,7 @@ pytestmark = [
 ]
 
 from benchmarks import dcp_bench  # noqa: E402
+from benchmarks.harness import MANY_BYTES  # noqa: E402
 
 TINY = ["--params", "2MiB", "--small", "12", "--many", "40", "--rounds", "2", "--no-drop-caches"]
 
@@ -37,7 +38,7 @@ def test_bench_runs_and_reports_every_goal(tmp_path: Path) -> None:
     res = dcp_bench.run(args, lines.append, runner=in_process)
     # Every measurement of every round, in a different order in the second round.
     per_round = len(specs) // 2
-    assert len(specs) == 2 * per_round == 2 * 12 and len(lines) == 2 * 14
+    assert len(specs) == 2 * per_round == 2 * 14 and len(lines) == 2 * 16
     order = [(s["kind"], s["what"], s["who"], s.get("threads")) for s in specs]
     assert order[:per_round] != order[per_round:] and sorted(order[:per_round]) == sorted(order[per_round:])
     assert {s["who"] for s in specs} == {"tiered", "fsw", "fsr"}
@@ -46,6 +47,10 @@ def test_bench_runs_and_reports_every_goal(tmp_path: Path) -> None:
     assert all(r["load_tiered"]["verified"] and r["load_fsr"]["verified"] and r["many_load_tiered"]["verified"]
                and r["many_load_fsr"]["verified"] for r in res["rounds_raw"])
     assert set(res["met"]) == set(dcp_bench.GOALS)
+    # The profiled runs: a share of the call, and both metadata files measured.
+    assert all(0 < r["many_save_prof"]["own_share"] < 1 and 0 < r["many_load_prof"]["own_share"] < 1
+               and r["many_save_tiered"]["metadata_bytes"] > 0 and r["many_save_fsw"]["metadata_bytes"] > 0
+               for r in res["rounds_raw"])
     assert res["cold_cache"] is False                       # said so, since the smoke run did not drop it
     n_params = sum(1 for _ in dcp_bench.layout(args.params, args.small))
     assert res["state_tensors"] == 4 * n_params             # parameter, exp_avg, exp_avg_sq, step
@@ -54,7 +59,8 @@ def test_bench_runs_and_reports_every_goal(tmp_path: Path) -> None:
     table = dcp_bench.render(res)
     assert "DCP STATE SIZE" in table and "PAGE CACHE NOT DROPPED" in table
     for label in ("write vs FileSystemWriter", "write vs fio", "load vs FileSystemReader", "async_save blocked, 2nd save",
-                  "save 40 x 4 KiB", "load 40 x 4 KiB"):
+                  "save 40 x 4 KiB", "load 40 x 4 KiB", "save 40 x 4 KiB: share in our code",
+                  "load 40 x 4 KiB: share in our code", "metadata, many tensors"):
         row = next(line for line in table.splitlines() if line.startswith(label))
         assert row.endswith((" met", "NOT MET")), row
     json.loads(json.dumps(res))                              # --json prints exactly this
@@ -65,7 +71,7 @@ def test_one_measurement_in_a_fresh_process_parses(tmp_path: Path) -> None:
     spec = {"dir": str(tmp_path), "params": 1 << 20, "small": 5, "many": 10, "kind": "save", "what": "many",
             "who": "tiered", "step": 1, "name": "-"}
     res = dcp_bench._run_child(spec, timeout=300)
-    assert res["tensors"] == 10 and res["bytes"] == 10 * dcp_bench.MANY_BYTES and res["seconds"] > 0
+    assert res["tensors"] == 10 and res["bytes"] == 10 * MANY_BYTES and res["seconds"] > 0
     assert list((tmp_path / "tiered" / dcp_bench.MODEL).iterdir())          # it really wrote a checkpoint
 
 

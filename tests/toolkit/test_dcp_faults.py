@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 import tiered_ckpt as tc
-import tiered_ckpt.dcp as tdcp
+import tiered_ckpt.io.claim as tclaim   # the one claim-and-commit path (the marker goes through it)
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.dcp import TieredReader, TieredWriter
 from tiered_ckpt.io import commit as mf
@@ -195,7 +195,7 @@ def raising(where, bad, conf, step):
             elif where == "finish":       # the coordinator, after DCP's metadata, before the marker
                 def fsync_parents(*a):
                     raise RuntimeError("the commit failed on the coordinator")
-                patch(tdcp, "fsync_parents", fsync_parents)
+                patch(tclaim, "fsync_parents", fsync_parents)
         t0 = time.monotonic()
         res = {}
         try:

@@ -248,7 +248,7 @@ def test_file_mode_commit_waits_for_a_whole_part_not_a_partly_written_one(tmp_pa
     from tiered_ckpt.naming import make_id
 
     cid, sid = make_id(0, 1), "job-1"
-    whole = mf.encode_part({"save_id": sid, "rank": 1, "world_size": 2, "checkpoint": cid.name, "files": []},
+    whole = mf.encode_part({"save_id": sid, "nonce": "n1", "rank": 1, "world_size": 2, "checkpoint": cid.name, "files": []},
                            {"index": {"w": {"kind": "bytes", "dtype": None, "shape": None, "nbytes": 0,
                                             "segments": []}}})
     head_end = whole.index(b"\n") + 1
@@ -257,8 +257,8 @@ def test_file_mode_commit_waits_for_a_whole_part_not_a_partly_written_one(tmp_pa
         for cut in (head_end - 1, head_end, head_end + 5, len(whole) - 1):
             (tmp_path / f"rank00001.{sid}.part.json").write_bytes(whole[:cut])
             with pytest.raises(UserError, match="did not finish writing"):
-                save_commit.wait_for_parts(dfd, cid, sid, 2, barrier_timeout=0.2)
+                save_commit.wait_for_parts(dfd, cid, sid, "n1", 2, barrier_timeout=0.2)
         (tmp_path / f"rank00001.{sid}.part.json").write_bytes(whole)
-        save_commit.wait_for_parts(dfd, cid, sid, 2, barrier_timeout=5)
+        save_commit.wait_for_parts(dfd, cid, sid, "n1", 2, barrier_timeout=5)
     finally:
         os.close(dfd)

@@ -64,14 +64,21 @@ def test_requires_dist_and_extras_match_pyproject(wheel: Path) -> None:
     tomllib = pytest.importorskip("tomllib")     # Python >= 3.11
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     _, meta, eps = _metadata(wheel)
+    from packaging.requirements import Requirement
+
     req = meta.get_all("Requires-Dist") or []
     want = list(project["dependencies"]) + [f'{r}; extra == "{x}"' for x, rs in project["optional-dependencies"].items()
                                             for r in rs]
-    assert sorted(req) == sorted(want)
+    assert sorted(str(Requirement(r)) for r in req) == sorted(str(Requirement(r)) for r in want)
     assert set(meta.get_all("Provides-Extra") or []) == set(project["optional-dependencies"])
+    # Ranges, not pins: the wheel resolves beside a training image's numpy 1.26 and pydantic 2.9.
+    runtime = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
+    assert not any(str(sp).startswith("==") for sp in runtime.values()), runtime
+    assert runtime["pydantic"].contains("2.9.0") and not runtime["pydantic"].contains("3.0")
+    numpy = next(Requirement(r) for r in project["optional-dependencies"]["torch"] if r.startswith("numpy"))
+    assert numpy.specifier.contains("1.26.0") and numpy.specifier.contains("2.4.6")
     # the DCP path views tensor bytes through numpy; the Lightning plugin needs Lightning
-    assert any(r.startswith("numpy==") for r in project["optional-dependencies"]["torch"])
-    assert "lightning==2.6.6" in project["optional-dependencies"]["lightning"]
+    assert any(r.startswith("lightning") for r in project["optional-dependencies"]["lightning"])
     assert "tiered-ckpt[torch]" in project["optional-dependencies"]["lightning"]
     assert "tiered-ckpt = tiered_ckpt.cli.app:main" in eps
     assert eps.count("=") == 1, eps          # one console script: what a node gets

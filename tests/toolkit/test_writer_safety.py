@@ -16,7 +16,7 @@ import pytest
 
 import tiered_ckpt as tc
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
-from tiered_ckpt.errors import ConflictError, UserError
+from tiered_ckpt.errors import ConflictError, UnavailableError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import layout, writer
 from tiered_ckpt.io.options import IoOptions
@@ -139,15 +139,24 @@ def test_a_name_committed_in_blob_is_refused_even_without_a_local_trace(root: Pa
     tc.save({"a": b"v3"}, epoch=0, step=201, config=cfg)  # other names are fine
 
 
-def test_an_unreachable_archive_does_not_block_a_save(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_name_that_cannot_be_checked_against_the_archive_is_refused_unless_allowed(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
     key = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
     conn = f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={key};BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;"
     cfg = _archive_cfg(root, conn, "c")
-    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.io.writer"):
-        r = tc.save({"a": b"x" * 1000}, epoch=0, step=1, config=cfg)
+    d = root / "m" / "global_epoch0_step1"
+    with pytest.raises(UnavailableError, match="archive could not be asked whether global_epoch0_step1 is committed "
+                                                "there.*Nothing was written.*archive_check='best_effort'") as e:
+        tc.save({"a": b"x" * 1000}, epoch=0, step=1, config=cfg)
+    assert key not in str(e.value) and e.value.exit_code == 3
+    assert not d.exists(), "a refused save leaves nothing behind"
+    with pytest.raises(UserError, match="archive_check='sometimes'.*'required'.*'best_effort'"):
+        tc.save({"a": b"x"}, epoch=0, step=1, config=cfg, archive_check="sometimes")
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.lifecycle.reuse"):
+        r = tc.save({"a": b"x" * 1000}, epoch=0, step=1, config=cfg, archive_check="best_effort")
     assert mf.read_marker(r.path) is not None
     assert "could not check whether global_epoch0_step1 is committed in the archive" in caplog.text
-    assert key not in caplog.text
+    assert "COMMITTED.json will be replaced" in caplog.text and key not in caplog.text
 
 
 ENV_RANK = r"""
@@ -337,3 +346,54 @@ except UserError as e:
     p = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "cannot allocate the read buffer pool" in p.stdout and "io.threads" in p.stdout and "io.block_size" in p.stdout
+
+
+UMASK_077 = r"""
+import os, sys
+os.umask(0o077)                       # another user's (or a hardened image's) umask
+root, ptr = sys.argv[1], sys.argv[2]
+import tiered_ckpt as tc
+from tiered_ckpt.config import IoConfig, NodeConfig
+cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10,
+                                                   sync_buffer_bytes=256 << 10, staging_bytes=1 << 20))
+tc.save({"a": os.urandom(200_000)}, epoch=0, step=1, config=cfg)
+tc.async_save({"a": os.urandom(200_000)}, epoch=0, step=2, config=cfg).wait()
+try:
+    import torch
+except ImportError:
+    sys.exit(0)
+import torch.distributed.checkpoint as dcp
+from tiered_ckpt.dcp import TieredWriter
+from tiered_ckpt.training import save_training
+dcp.save({"w": torch.randn(300, 300), "obj": {"x": 1}}, storage_writer=TieredWriter(config=cfg, epoch=0, step=3),
+         no_dist=True)
+save_training(torch.nn.Linear(64, 64), epoch=0, step=4, config=cfg)
+try:
+    from tiered_ckpt.lightning import TieredCheckpointIO
+except ImportError:
+    sys.exit(0)
+TieredCheckpointIO(config=cfg).save_checkpoint({"epoch": 0, "global_step": 5, "state_dict": {"w": torch.ones(9)}}, ptr)
+"""
+
+
+def test_every_writer_sets_explicit_modes_under_umask_077(root: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    p = subprocess.run([sys.executable, "-c", UMASK_077, str(root), str(tmp_path / "lt" / "last.ckpt")],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = 5 if importlib.util.find_spec("lightning") else 4 if importlib.util.find_spec("torch") else 2
+    names = sorted(c.name for c in mf.scan(root, "m") if c.committed)
+    assert names == [f"global_epoch0_step{s}" for s in range(1, want + 1)], names
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root / "m"):
+        for dn in dirnames:
+            assert stat.S_IMODE((Path(dirpath) / dn).stat().st_mode) == 0o2775, Path(dirpath) / dn
+        for fn in filenames:
+            f = Path(dirpath) / fn
+            mode = stat.S_IMODE(f.stat().st_mode)
+            # lock files are opened read-write by every actor (group-writable); everything else 0644
+            assert mode == (0o664 if f.suffix == ".lock" else 0o644), (f, oct(mode))
+            seen += 1
+    assert stat.S_IMODE((root / "m").stat().st_mode) == 0o2775
+    assert seen > 4 * want      # markers, shards, part manifests or DCP metadata, locks

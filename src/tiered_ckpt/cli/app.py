@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from tiered_ckpt import config as config_mod
 from tiered_ckpt import logs
+from tiered_ckpt.cli import convert as convert_commands
 from tiered_ckpt.cli import io as io_commands
 from tiered_ckpt.cli import lifecycle as lifecycle_commands
 from tiered_ckpt.cli import timeline as timeline_commands
@@ -32,6 +33,7 @@ COMMANDS: tuple[Registrar, ...] = (
     io_commands.register,          # bench, list, verify
     lifecycle_commands.register,   # retention, restore, status, export
     timeline_commands.register,    # timeline
+    convert_commands.register,     # convert (torch inside the command only)
 )
 
 # In a help text, "{config:io.threads}" becomes the setting's effective value and where it comes

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_ckpt import config as config_mod
+from tiered_ckpt.cli.models import require_model
 from tiered_ckpt.cli.output import byte_progress, human_bytes, print_error, print_json, print_table, stdout
 from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, UserError
@@ -181,6 +182,7 @@ def _disk_usage(path: Path) -> tuple[int, int]:
 
 def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     root = mf.require_root(cfg.root)
+    require_model(cfg)
     infos = mf.scan(root, cfg.model, cfg.naming)
     done = mf.committed(infos)
     latest = done[-1] if done else None       # scan is oldest first; not a second scan

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+from dataclasses import asdict
 
 from tiered_ckpt.cli import timeline as timeline_commands
+from tiered_ckpt.cli.models import require_model
 from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progress_bars, stderr, stdout
 from tiered_ckpt.config import NodeConfig, format_duration, parse_duration
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
@@ -19,6 +21,7 @@ from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter, Iteration
 from tiered_ckpt.lifecycle.restore import DEFAULT_LOCK_WAIT, HASHES, NO_HASHES, restore
 from tiered_ckpt.lifecycle.status import Status, gather
+from tiered_ckpt.tiers import memory
 from tiered_ckpt.tiers.backends import TierBackend, make_backend
 from tiered_ckpt.tiers.blob import BlobStore
 
@@ -184,8 +187,9 @@ def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
     if timeline_commands.wants_watch(args):
         return timeline_commands.watch(args, cfg)
     st = gather(make_backend(cfg), export_status_path=args.export_status)
+    mem = memory.summary(cfg.memory, cfg.model, cfg.naming)
     if args.json:
-        print_json({"ok": st.health == "healthy", **st.to_json()})
+        print_json({"ok": st.health == "healthy", **st.to_json(), "memory": asdict(mem) if mem else None})
         return st.exit_code()
     print_table(f"checkpoints of {st.model} ({st.backend}, {st.root})", ("checkpoint", "tier", "size", "detail"),
                 [(c.name, c.tier, human_bytes(c.bytes), c.detail) for c in st.checkpoints])
@@ -208,6 +212,15 @@ def cmd_status(args: argparse.Namespace, cfg: NodeConfig) -> int:
         stdout.print(f"capacity: {human_bytes(c.used_bytes)} used of {human_bytes(c.total_bytes)}; retention keeps "
                      f"{human_bytes(c.retention_keeps_bytes)} + next checkpoint {human_bytes(c.next_checkpoint_bytes)} "
                      f"= {human_bytes(c.needed_bytes)} ({'fits' if c.fits else 'DOES NOT FIT'})", highlight=False, markup=False, soft_wrap=True)
+    if mem is not None:
+        n = mem.counters
+        budget = f" of memory.budget_bytes {human_bytes(mem.budget_bytes)}" if mem.budget_bytes else ""
+        lag = "-" if mem.replica_lag_seconds is None else f"{mem.replica_lag_seconds:.2f}s"
+        stdout.print(f"memory tier (this node, {mem.dir}): {mem.own} own copies, {mem.peer} replicas held for a peer, "
+                     f"{human_bytes(mem.used_bytes)} used{budget}; newest {mem.newest or '-'}; replicas "
+                     f"{n['replicas']:.0f} ({n['replica_failures']:.0f} failed, lag {lag}), persisted "
+                     f"{n['persists']:.0f} ({n['persist_failures']:.0f} failed), flushes {n['flushes']:.0f}; "
+                     "RAM is not durable: the root and the archive are", highlight=False, markup=False, soft_wrap=True)
     for chk in st.checks:
         stdout.print(f"check {chk.part}: {chk.state}{': ' + chk.reason if chk.reason else ''}", highlight=False,
                      markup=False, soft_wrap=True)
@@ -223,10 +236,12 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
     interval = parse_duration(args.interval, "--interval")
     if interval <= 0:
         raise ConfigError(f"--interval: {args.interval} must be more than 0 seconds, e.g. 5s")
-    ex = Exporter(cfg, status_path=args.export_status)
+    ex = Exporter(cfg, status_path=args.export_status, models=None if args.all_models else [cfg.model])
     # A mistyped root would otherwise export nothing, report success and write a status file
-    # beside a directory that does not exist.
+    # beside a directory that does not exist; a mistyped --model likewise.
     mf.require_root(cfg.root)
+    if not args.all_models:
+        require_model(cfg)
     ex.store.ensure_container()
 
     def show(it: Iteration) -> None:
@@ -245,7 +260,8 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
         show(it)
         return EXIT_OK if it.ok else EXIT_FAILED
     if not args.json:
-        stderr.print(f"local exporter (stand-in for AMLFS auto-export): {cfg.root} -> {ex.store.where}, "
+        what = cfg.root if args.all_models else f"{cfg.root}/{cfg.model}"
+        stderr.print(f"local exporter (stand-in for AMLFS auto-export): {what} -> {ex.store.where}, "
                      f"every {interval:g}s; Ctrl-C to stop")
     ex.watch(interval, threading.Event(), on_iteration=show)
     return EXIT_OK
@@ -311,11 +327,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], parent: a
     p = sub.add_parser("export", parents=[parent],
                        help="local stand-in for AMLFS auto-export: copy new/changed files to Blob in iterations",
                        description="The local stand-in for AMLFS auto-export: copies new and changed files (committed or "
-                                   "not) under the root to the archive container under the same relative path, in "
-                                   "iterations; never deletes blobs.")
+                                   "not) of the model (--model; --all-models: everything under the root, as AMLFS does) "
+                                   "to the archive container under the same relative path, in iterations; never "
+                                   "deletes blobs, and never uploads again a file a restore brought back unchanged.")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--once", action="store_true", help="run one iteration and exit (default)")
     g.add_argument("--watch", action="store_true", help="iterate until Ctrl-C / SIGTERM")
     p.add_argument("--interval", default="5s", metavar="DURATION", help="time between iteration starts (default: 5s)")
     p.add_argument("--export-status", metavar="PATH", help="status file (default: next to the root, outside the exported tree)")
+    p.add_argument("--all-models", action="store_true", help="export every model under the root, as AMLFS auto-export does")
     p.set_defaults(handler=cmd_export)

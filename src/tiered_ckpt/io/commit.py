@@ -79,13 +79,14 @@ def write_marker(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, dir_fd
     data = manifest.to_json()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(MARKER, flags, 0o644, dir_fd=dir_fd) if dir_fd is not None else os.open(path, flags, 0o644)
+        fd = os.open(MARKER, flags, fsafe.FILE_MODE, dir_fd=dir_fd) if dir_fd is not None else os.open(path, flags, fsafe.FILE_MODE)
     except FileExistsError:
         raise ConflictError(
             f"{path} already exists: checkpoint {manifest.name} is already committed; "
             "choose another name (epoch/step) — committed checkpoints are never overwritten"
         ) from None
     try:
+        os.fchmod(fd, fsafe.FILE_MODE)   # explicit: a umask of 077 must not hide it from retention and readers
         fsafe.write_all(fd, data)
         os.fsync(fd)
     finally:

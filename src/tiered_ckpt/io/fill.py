@@ -4,12 +4,19 @@ What a load wants of a file is a list of pieces (file offset, length, destinatio
 are turned into read requests that several reader threads share, across files and within one:
 
 * a large piece (>= SMALL bytes) is read straight into its destination with preadv(2): the part
-  of it on whole 4 KiB pages of the file, where the destination address has the same offset in
-  its page, with O_DIRECT (open(2), "O_DIRECT": buffer address, length and file offset must be
-  aligned to the logical block size; 4 KiB covers every common device), in requests of at most
-  one block so that several readers share a large tensor; its unaligned head and tail, and the
-  whole piece where the alignments differ (or O_DIRECT is off or refused), with buffered preadv
-  into the same memory (the kernel's copy from the page cache is the only one);
+  of it on whole 4 KiB pages of the file with O_DIRECT (open(2), "O_DIRECT": file offset and
+  length aligned to the logical block size, 4 KiB covering every common device), in requests of
+  at most one block so that several readers share a large tensor; its unaligned head and tail
+  (under 4 KiB each) with buffered preadv into the same memory;
+* where the destination's address does not have the file offset's place in its page (a tensor
+  the allocator placed 64 bytes into its page, as torch.empty does), the O_DIRECT read is tried
+  straight into it anyway (Linux 6.0+ checks only the device's DMA alignment of memory, 4 bytes
+  on NVMe: STATX_DIOALIGN in statx(2)); where the device refuses it (EINVAL: 512-byte DMA
+  alignment, virtio), each block is read with O_DIRECT into a page-aligned block of the read
+  pool and copied into place ("bounce"): one memcpy, as a buffered read's copy from the page
+  cache, without the page cache's allocation and reclaim;
+* a request whose pages are already in the page cache (io/cache.py, mincore(2): a warm
+  restart) is read buffered: memory speed, where O_DIRECT would read the device again;
 * runs of small pieces are coalesced into one read of the span covering them, into a
   page-aligned block of the read pool, and memmoved out (ctypes releases the GIL);
 
@@ -33,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import cache, fsafe
 from tiered_ckpt.io.commit import FileEntry
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.pools import ALIGN, BlockPool
@@ -45,6 +52,15 @@ SMALL = 1 << 20
 # Neighbouring small pieces further apart than this in the file are read separately (the gap
 # would be read for nothing).
 GAP = 64 << 10
+
+# A request at least this fraction of whose pages are cached is read buffered (io/cache.py).
+CACHED = 0.5
+
+# Bytes read by each path since the process started ("direct" into the destination, "bounce"
+# via a pool block, "buffered", "cached" (buffered because resident), "group" coalesced small
+# pieces): what the tests and the benchmark check the paths by.
+totals: dict[str, int] = dict.fromkeys(("direct", "bounce", "buffered", "cached", "group"), 0)
+_totals_lock = threading.Lock()
 
 # (file offset, nbytes, destination view) pieces of one file
 Pieces = list[tuple[int, int, memoryview]]
@@ -64,6 +80,8 @@ class _File:
     hash: bool
     fd: int = -1
     dfd: int = -1                  # the same file opened O_DIRECT, -1 where refused or not asked
+    cached: bytes | None = None    # io/cache.resident of the file, where O_DIRECT is open
+    mem_direct: bool = True        # O_DIRECT into memory off the page grid not (yet) refused
     left: int = 0                  # requests not yet done
     problem: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -71,7 +89,9 @@ class _File:
 
 @dataclass
 class _Req:
-    """One read: `kind` "direct" / "buffered" (straight into `dest`) or "group" (via a block)."""
+    """One read: `kind` "direct" (O_DIRECT, memory aligned), "unaligned" (O_DIRECT, memory off the
+    grid: straight in or via a block), "buffered" / "cached" (straight into `dest`) or "group"
+    (small pieces via a block; `cached`: buffered)."""
 
     f: _File
     kind: str
@@ -79,6 +99,7 @@ class _Req:
     n: int
     dest: memoryview | None = None
     group: list[tuple[int, int, int]] = field(default_factory=list)   # (file offset, nbytes, address)
+    cached: bool = False
 
 
 def _covers(size: int, pieces: Pieces) -> bool:
@@ -108,6 +129,7 @@ def _open(f: _File, direct: bool, anchor: Path) -> None:
         os.close(dfd)
         raise fsafe.UnsafePath(errno.ESTALE, "replaced while being opened", str(f.path))
     f.dfd = dfd
+    f.cached = cache.resident(f.fd, f.entry.size)
 
 
 def small_limit(block: int) -> int:
@@ -126,7 +148,8 @@ def _plan(f: _File, block: int) -> list[_Req]:
     def close_group() -> None:
         if group:
             a = g_start - g_start % ALIGN
-            reqs.append(_Req(f, "group", a, g_end - a, group=list(group)))
+            reqs.append(_Req(f, "group", a, g_end - a, group=list(group),
+                             cached=cache.cached_fraction(f.cached, a, g_end - a) >= CACHED))
             group.clear()
 
     for off, n, dest in f.pieces:
@@ -143,12 +166,14 @@ def _plan(f: _File, block: int) -> list[_Req]:
         close_group()
         end = off + n
         a, b = -(-off // ALIGN) * ALIGN, end // ALIGN * ALIGN
-        if f.dfd >= 0 and b > a and (address(dest) + a - off) % ALIGN == 0:
+        if f.dfd >= 0 and b > a:
             if a > off:
                 reqs.append(_Req(f, "buffered", off, a - off, dest[:a - off]))
+            kind = "direct" if (address(dest) + a - off) % ALIGN == 0 else "unaligned"
             for c in range(a, b, block):
                 k = min(block, b - c)
-                reqs.append(_Req(f, "direct", c, k, dest[c - off:c - off + k]))
+                warm = cache.cached_fraction(f.cached, c, k) >= CACHED
+                reqs.append(_Req(f, "cached" if warm else kind, c, k, dest[c - off:c - off + k]))
             if end > b:
                 reqs.append(_Req(f, "buffered", b, end - b, dest[b - off:]))
         else:
@@ -169,24 +194,37 @@ def _pread_into(fd: int, view: memoryview, off: int, size: int, path: Path) -> N
         done += n
 
 
-def _do(r: _Req, block: memoryview, block_addr: int) -> None:
+def _do(r: _Req, block: memoryview, block_addr: int) -> str:
+    """Carry out one request; the path its bytes took (a key of `totals`)."""
     f = r.f
-    if r.kind == "direct":
+    if r.kind == "direct" or (r.kind == "unaligned" and f.mem_direct):
         assert r.dest is not None
         try:
             _pread_into(f.dfd, r.dest, r.off, f.entry.size, f.path)
-            return
+            return "direct"
+        except OSError as e:
+            if e.errno != errno.EINVAL:   # memory or device alignment refused: bounce or buffered
+                raise
+            if r.kind == "unaligned":
+                f.mem_direct = False
+    if r.kind == "unaligned":
+        assert r.dest is not None
+        try:
+            _pread_into(f.dfd, block[:r.n], r.off, f.entry.size, f.path)
         except OSError as e:
             if e.errno != errno.EINVAL:   # a device with a larger logical block: buffered instead
                 raise
-    if r.kind in ("direct", "buffered"):
+        else:
+            ctypes.memmove(address(r.dest), block_addr, r.n)
+            return "bounce"
+    if r.kind != "group":
         assert r.dest is not None
         _pread_into(f.fd, r.dest, r.off, f.entry.size, f.path)
-        return
+        return "cached" if r.kind == "cached" else "buffered"
     # group: the covering span into the block, then each piece out of it
     want = min(r.n, f.entry.size - r.off)
     done = 0
-    if f.dfd >= 0:
+    if f.dfd >= 0 and not r.cached:
         try:
             # O_DIRECT reads whole 4 KiB units; the last one may run past the end of the file.
             n = os.preadv(f.dfd, [block[:-(-r.n // ALIGN) * ALIGN]], r.off)
@@ -198,6 +236,7 @@ def _do(r: _Req, block: memoryview, block_addr: int) -> None:
         _pread_into(f.fd, block[done:want], r.off + done, f.entry.size, f.path)
     for off, n, addr in r.group:
         ctypes.memmove(addr, block_addr + off - r.off, n)
+    return "group"
 
 
 def _finish(f: _File) -> None:
@@ -268,7 +307,9 @@ def fill(ckpt_dir: Path, entries: list[FileEntry], pieces: Mapping[str, Pieces],
                     f = item.f
                     try:
                         if f.problem is None:
-                            _do(item, view, addr)
+                            way = _do(item, view, addr)
+                            with _totals_lock:
+                                totals[way] += item.n
                     except fsafe.UnsafePath as err:
                         _fail(f, f"{f.path}: {err.strerror}")
                     except EOFError as err:

@@ -5,7 +5,8 @@ equal, 4 KiB-aligned size (a buffer may span shards; the part manifest records e
 Pure: no I/O here.
 
 Every file of a save carries the save's id (``shard-r00000-000.<sid>.bin``,
-``rank00000.<sid>.part.json``, ``rank00000.<sid>.failed.json``; the marker records it as
+``rank00000.<sid>.part.json``, ``rank00000.<sid>.failed.json``, file mode's
+``rank00000.<sid>.claim.json``; the marker records it as
 ``save_id``). AMLFS auto-export never propagates deletes, so the archive may still hold files
 of an earlier save of the same name; with unique names a later save can never overwrite one of
 them, and a marker only ever names files of its own save.
@@ -25,12 +26,14 @@ from tiered_ckpt.io.pools import ALIGN
 SHARD = "shard-r{rank:05d}-{i:03d}.{sid}.bin"
 PART = "rank{rank:05d}.{sid}.part.json"
 FAILED = "rank{rank:05d}.{sid}.failed.json"
+# File mode: rank 0's claim of this save, holding the attempt's nonce (io/claim.py, save_commit.py).
+CLAIM = "rank{rank:05d}.{sid}.claim.json"
 SAVE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_OWNED = re.compile(r"shard-r(?P<r1>[0-9]{5})-[0-9]{3}\.(?P<s1>.+)\.bin|rank(?P<r2>[0-9]{5})\.(?P<s2>.+)\.(?P<kind>part|failed)\.json")
+_OWNED = re.compile(r"shard-r(?P<r1>[0-9]{5})-[0-9]{3}\.(?P<s1>.+)\.bin|rank(?P<r2>[0-9]{5})\.(?P<s2>.+)\.(?P<kind>part|failed|claim)\.json")
 
 
 def file_owner(name: str) -> tuple[int, str, str] | None:
-    """(rank, save id, kind) of a file a save writes ("shard", "part", "failed"), else None."""
+    """(rank, save id, kind) of a file a save writes ("shard", "part", "failed", "claim"), else None."""
     m = _OWNED.fullmatch(name)
     if m is None:
         return None

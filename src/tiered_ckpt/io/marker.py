@@ -59,7 +59,7 @@ _KEYS_V2 = (_KEYS - {"index"}) | {"index_files"}
 # header (what rank 0 needs to commit: which save, which rank, its files) and the body (the
 # index), so committing never parses a rank's whole index. orjson never writes a raw newline
 # (inside strings it is escaped), so the first b"\n" ends the header.
-_PART_HEADER_KEYS = {"save_id", "rank", "world_size", "checkpoint", "files", "replicated"}
+_PART_HEADER_KEYS = {"save_id", "nonce", "rank", "world_size", "checkpoint", "files", "replicated"}
 _PART_BODY_KEYS = {"index", "structure"}
 _REQUIRED = {"epoch", "step", "files", "format"}
 _FILE_KEYS = {"path", "size", "hash", "rank"}

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from tiered_ckpt.errors import ConfigError, IntegrityError, UserError
 from tiered_ckpt.io import sources as srcs
@@ -414,24 +415,30 @@ def _copier(nthreads: int) -> ThreadPoolExecutor:
 
 def _run_copies(tasks: list[tuple[Source, int, int, int]], lease: Lease, copy_threads: int | None) -> None:
     nthreads = max(1, min(copy_threads or (os.cpu_count() or 1), 8, len(tasks)))
-    if nthreads == 1:
-        for t in tasks:
-            _copy_one(t, lease)
-        return
     # Largest pieces first, handed out one at a time: the threads finish together.
-    order = sorted(tasks, key=lambda t: -t[2])
-    it = iter(order)
+    parallel(sorted(tasks, key=lambda t: -t[2]), lambda t: _copy_one(t, lease), nthreads)
+
+
+def parallel(items: list[Any], fn: Callable[[Any], object], nthreads: int) -> None:
+    """fn(item) for every item, in order, handed out one at a time to `nthreads` threads (the
+    caller's among them; the others from a kept executor); the first error is raised here."""
+    nthreads = max(1, min(nthreads, len(items)))
+    if nthreads == 1:
+        for item in items:
+            fn(item)
+        return
+    it = iter(items)
     lock = threading.Lock()
     errors: list[BaseException] = []
 
     def work() -> None:
         while not errors:
             with lock:
-                t = next(it, None)
-            if t is None:
+                item = next(it, None)
+            if item is None:
                 return
             try:
-                _copy_one(t, lease)
+                fn(item)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(e)
 
@@ -442,3 +449,11 @@ def _run_copies(tasks: list[tuple[Source, int, int, int]], lease: Lease, copy_th
         h.result()
     if errors:
         raise errors[0]
+
+
+def memmove_all(copies: list[tuple[int, int, int]], nthreads: int) -> None:
+    """(destination address, source address, bytes) copies, split into COPY_CHUNK pieces, largest
+    first, on `nthreads` threads: ctypes.memmove releases the GIL, so they run in parallel."""
+    pieces = [(d + o, s + o, min(COPY_CHUNK, n - o)) for d, s, n in copies for o in range(0, n, COPY_CHUNK)]
+    pieces.sort(key=lambda p: -p[2])
+    parallel(pieces, lambda p: ctypes.memmove(p[0], p[1], p[2]), nthreads)

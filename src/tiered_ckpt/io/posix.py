@@ -3,7 +3,7 @@
 Nothing is followed through a symlink: the model and checkpoint directories are verified
 real directories (a symlink is refused, never written into), kept open, and every file is
 created relative to that descriptor with O_CREAT|O_EXCL|O_NOFOLLOW and explicit modes
-(directories 0755, files 0644, whatever the umask). `os_error` turns an OSError into one
+(directories fsafe.DIR_MODE 2775, files 0644, whatever the umask). `os_error` turns an OSError into one
 UserError naming the path and the fix.
 """
 from __future__ import annotations
@@ -169,18 +169,3 @@ def fsync_parents(root: Path, mdir: Path) -> None:
         os.fsync(rfd)
     finally:
         os.close(rfd)
-
-
-def remove_dir_if_empty(root: Path, mdir: Path, name: str) -> None:
-    """Remove the directory `name` of `mdir` if it is empty (best effort)."""
-    try:
-        mfd = fsafe.open_dir(mdir, anchor=root)
-    except OSError:
-        return
-    try:
-        os.rmdir(name, dir_fd=mfd)   # only if empty: never removes anything another writer put there
-        os.fsync(mfd)
-    except OSError:
-        pass
-    finally:
-        os.close(mfd)

@@ -6,10 +6,16 @@ rank 0 writes COMMITTED.json naming every rank's files. No renames anywhere. The
 is also the rank's index (where each buffer lives, the nested structure): the marker points at
 it (io/marker.py, format 2) instead of embedding a copy, so rank 0 never re-serializes it.
 
-Without torch.distributed ("file mode") the ranks meet here, in the directory: rank 0 waits for
-every rank's part manifest (or its failure note), the others wait for the marker (or rank 0's
-note). A rank that fails leaves `rank{r}.<sid>.failed.json` so the others stop at once, and
-removes its own files of the save: only ever files carrying its own rank and save id.
+Without torch.distributed ("file mode") the ranks meet here, in the directory: rank 0 claims
+the name and publishes the attempt's nonce in `rank00000.<sid>.claim.json`; every other rank
+writes its part manifest carrying the nonce it finds there (and re-binds it if rank 0's claim
+changes: a claim left by a crashed earlier attempt that used the same save id is replaced by the
+live one), then waits for the marker (or rank 0's note). Rank 0 waits for every rank's part
+carrying its nonce, so a part of an earlier attempt that reused the save id is never committed.
+A rank that fails leaves `rank{r}.<sid>.failed.json` (with the nonce it knew) so the others stop
+at once. Clean-up only ever removes files carrying the rank's own rank and save id, never one
+a valid marker lists, and a rank whose part is published leaves its files to rank 0 (whose
+commit lists them, or whose next claim of the name removes them) unless rank 0 said it failed.
 
 Every function works on the open checkpoint directory `dfd` (see posix.py: nothing followed).
 """
@@ -28,7 +34,7 @@ from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe, nested
 from tiered_ckpt.io.hashing import new_hasher
-from tiered_ckpt.io.layout import FAILED, PART, FilePlan, file_owner
+from tiered_ckpt.io.layout import CLAIM, FAILED, PART, FilePlan, file_owner
 from tiered_ckpt.io.posix import json_at, open_subdir, read_small, write_small
 from tiered_ckpt.io.sources import Source
 from tiered_ckpt.naming import CheckpointId
@@ -47,10 +53,11 @@ def valid_marker(dfd: int, cid: CheckpointId) -> mf.Manifest | None:
 
 
 # -- this rank ---------------------------------------------------------------------------
-def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size: int, files: list[FilePlan],
+def part_bytes(cid: CheckpointId, save_id: str, nonce: str, rank: int, world_size: int, files: list[FilePlan],
                sources: list[Source], entries: list[mf.FileEntry], structure: dict[str, Any] | None = None,
-               replicated: dict[str, Any] | None = None) -> None:
-    """This rank's part manifest: its files and where every buffer lives in them; fsynced.
+               replicated: dict[str, Any] | None = None) -> bytes:
+    """This rank's part manifest: its files and where every buffer lives in them, bound to the
+    attempt's `nonce` (rank 0's claim).
 
     replicated: buffer name -> {"digest", "kind", "dtype", "shape", "nbytes"} of every buffer the
     save declared replicated (written or not by this rank): rank 0 compares them at commit."""
@@ -62,7 +69,8 @@ def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size:
     # In the order saved (a dict keeps insertion order; orjson writes it as is): load returns it.
     index = {s.name: {"kind": s.kind, "dtype": s.dtype, "shape": s.shape, "nbytes": s.nbytes, "segments": sg}
              for s, sg in zip(sources, segs_of, strict=True)}
-    header: dict[str, Any] = {"save_id": save_id, "rank": rank, "world_size": world_size, "checkpoint": cid.name,
+    header: dict[str, Any] = {"save_id": save_id, "nonce": nonce, "rank": rank, "world_size": world_size,
+                              "checkpoint": cid.name,
                               "files": [{"path": e.path, "size": e.size, "hash": e.hash, "rank": e.rank}
                                         for e in entries]}
     if replicated:
@@ -70,19 +78,43 @@ def write_part(dfd: int, cid: CheckpointId, save_id: str, rank: int, world_size:
     body: dict[str, Any] = {"index": index}
     if structure is not None:      # nested state (io.nested)
         body["structure"] = structure
-    write_small(dfd, PART.format(rank=rank, sid=save_id), mf.encode_part(header, body))
+    return mf.encode_part(header, body)
+
+
+def write_part(dfd: int, rank: int, save_id: str, data: bytes, *, replace: bool = False) -> None:
+    """Publish a part manifest under its final name, fsynced (`replace`: re-bound to a new claim)."""
+    name = PART.format(rank=rank, sid=save_id)
+    if replace:
+        try:
+            os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+    write_small(dfd, name, data)
     os.fsync(dfd)
 
 
+def listed(dfd: int) -> set[str]:
+    """Files a valid marker in the directory lists (any save's): clean-up never removes one."""
+    data = read_small(dfd, mf.MARKER)
+    if data is None:
+        return set()
+    try:
+        return {f.path for f in mf.Manifest.from_json(data).files}
+    except ValueError:
+        return set()
+
+
 def cleanup_own(dfd: int, rank: int, save_id: str, keep_note: bool) -> None:
-    """Remove this rank's files of this save id only: never another save's, never another rank's."""
+    """Remove this rank's files of this save id only: never another save's, never another rank's,
+    never one a valid marker lists."""
     removed = False
     try:
         with os.scandir(dfd) as it:
             names = [e.name for e in it]
+        keep = listed(dfd)    # a committed checkpoint that reused this save id: its files stay
         for name in names:
             owner = file_owner(name)
-            if owner is None or owner[0] != rank or owner[1] != save_id:
+            if owner is None or owner[0] != rank or owner[1] != save_id or name in keep:
                 continue
             if keep_note and owner[2] == "failed":
                 continue
@@ -98,7 +130,7 @@ def cleanup_own(dfd: int, rank: int, save_id: str, keep_note: bool) -> None:
 
 
 def note_failure(root: Path, model: str, cid: CheckpointId, rank: int, world_size: int, sid: str,
-                 exc: BaseException, dfd: int | None = None) -> None:
+                 exc: BaseException, dfd: int | None = None, nonce: str | None = None) -> None:
     """File mode: leave `rank{r}.<sid>.failed.json` so the other ranks stop at once (best effort).
 
     Also for a rank that failed before its save was set up. The directory is made if missing
@@ -122,8 +154,10 @@ def note_failure(root: Path, model: str, cid: CheckpointId, rank: int, world_siz
                 return
         except ValueError:
             pass
+        if nonce is None and rank != 0:
+            nonce = claimed_nonce(dfd, sid)     # the attempt this rank took part in, as far as it knew
         write_small(dfd, FAILED.format(rank=rank, sid=sid),
-                    json.dumps({"save_id": sid, "error": str(err), "error_class": type(err).__name__,
+                    json.dumps({"save_id": sid, "nonce": nonce, "error": str(err), "error_class": type(err).__name__,
                                 "exit_code": err.exit_code}).encode())
         os.fsync(dfd)
     except (OSError, UserError):
@@ -158,43 +192,101 @@ def _header_at(dfd: int, name: str) -> dict[str, Any]:
     return _header(read_small(dfd, name))
 
 
-# -- file mode waits ------------------------------------------------------------------------
-def wait_for_parts(dfd: int, cid: CheckpointId, save_id: str, world_size: int, barrier_timeout: float) -> None:
-    """Rank 0 without torch: until every other rank's part of this save is there (or one failed)."""
+# -- file mode: the claim and the waits --------------------------------------------------
+def publish_claim(dfd: int, save_id: str, nonce: str) -> None:
+    """Rank 0, holding the name's claim (after clearing its own stale files): the attempt's nonce."""
+    write_small(dfd, CLAIM.format(rank=0, sid=save_id), json.dumps({"save_id": save_id, "nonce": nonce}).encode())
+    os.fsync(dfd)
+
+
+def claimed_nonce(dfd: int, save_id: str) -> str | None:
+    """The nonce of rank 0's claim of this save id in the directory, if there is one."""
+    d = json_at(dfd, CLAIM.format(rank=0, sid=save_id))
+    if d is None or d.get("save_id") != save_id or not isinstance(d.get("nonce"), str):
+        return None
+    return str(d["nonce"])
+
+
+def rank0_failure(dfd: int, cid: CheckpointId, save_id: str, nonce: str | None) -> UserError | None:
+    """Rank 0's failure of this attempt, if it noted one: a note of the claim this rank is bound to
+    (`nonce`), or, before this rank knows a claim, one without a nonce (rank 0 failed before it
+    could claim). A note of another attempt that used the same save id is not this one's."""
+    failed = json_at(dfd, FAILED.format(rank=0, sid=save_id))
+    if failed is None or failed.get("save_id") != save_id:
+        return None
+    theirs = failed.get("nonce")
+    if theirs is None if nonce is None else theirs == nonce:
+        return _noted_error(failed, f"rank 0 could not commit {cid.name}: {failed.get('error')}",
+                            "; this rank's files are not committed")
+    return None
+
+
+def wait_for_claim(dfd: int, cid: CheckpointId, save_id: str, barrier_timeout: float) -> str:
+    """Rank > 0 without torch: the nonce of rank 0's claim (before publishing this rank's part)."""
+    deadline = time.monotonic() + barrier_timeout
+    while True:
+        nonce = claimed_nonce(dfd, save_id)
+        if nonce is not None:
+            return nonce
+        err = rank0_failure(dfd, cid, save_id, None)
+        if err is not None:
+            raise err
+        if time.monotonic() > deadline:
+            raise UserError(f"rank 0 did not claim {cid.name} within {barrier_timeout:.0f} s "
+                            f"(no {CLAIM.format(rank=0, sid=save_id)}); nothing was committed")
+        time.sleep(0.02)
+
+
+def wait_for_parts(dfd: int, cid: CheckpointId, save_id: str, nonce: str, world_size: int,
+                   barrier_timeout: float) -> None:
+    """Rank 0 without torch: until every other rank's part of this attempt is there (or one failed)."""
     deadline = time.monotonic() + barrier_timeout
     missing = set(range(1, world_size))
     while missing:
         for r in sorted(missing):
             failed = json_at(dfd, FAILED.format(rank=r, sid=save_id))
-            if failed is not None and failed.get("save_id") == save_id:
+            if failed is not None and failed.get("save_id") == save_id and failed.get("nonce") in (nonce, None):
                 raise _noted_error(failed, f"rank {r} failed while writing {cid.name}: {failed.get('error')}",
                                    "; nothing was committed")
-            if _header_at(dfd, PART.format(rank=r, sid=save_id)).get("save_id") == save_id:
+            head = _header_at(dfd, PART.format(rank=r, sid=save_id))
+            if head.get("save_id") == save_id and head.get("nonce") == nonce:
                 missing.discard(r)
         if missing and time.monotonic() > deadline:
             raise UserError(
                 f"rank(s) {sorted(missing)} did not finish writing {cid.name} within {barrier_timeout:.0f} s "
-                f"(no {PART.format(rank=min(missing), sid=save_id)}); nothing was committed"
+                f"(no {PART.format(rank=min(missing), sid=save_id)} of this attempt); nothing was committed"
             )
         if missing:
             time.sleep(0.02)
 
 
-def wait_for_marker(dfd: int, cid: CheckpointId, save_id: str, barrier_timeout: float) -> None:
-    """Rank > 0 without torch: rank 0 waits up to barrier_timeout for the slowest rank, then commits or fails."""
+def wait_for_marker(dfd: int, cid: CheckpointId, save_id: str, rank: int, part: bytes, nonce: str,
+                    rebind: Any, barrier_timeout: float) -> None:
+    """Rank > 0 without torch: until the marker lists this rank's part (rank 0 waits up to
+    barrier_timeout for the slowest rank, then commits or fails).
+
+    `rebind(nonce) -> bytes`: called when rank 0's claim carries another nonce than this rank's
+    part (the part was bound to a claim a crashed earlier attempt left): publishes the part again,
+    bound to the live claim, and returns its bytes."""
     limit = 2 * barrier_timeout + 5
     deadline = time.monotonic() + limit
+    name = PART.format(rank=rank, sid=save_id)
     while True:
         m = valid_marker(dfd, cid)
         if m is not None:
-            if m.save_id == save_id:
+            h = new_hasher()
+            h.update(part)
+            mine = mf.FileEntry(name, len(part), h.hexdigest(), rank)
+            if m.save_id == save_id and any(f == mine for f in m.files):
                 return
             raise ConflictError(f"another save (save id {m.save_id!r}) committed {cid.name} while this one was "
                                 "writing; this save's files are not part of it — save under another epoch/step")
-        failed = json_at(dfd, FAILED.format(rank=0, sid=save_id))
-        if failed is not None and failed.get("save_id") == save_id:
-            raise _noted_error(failed, f"rank 0 could not commit {cid.name}: {failed.get('error')}",
-                               "; this rank's files are not committed")
+        now = claimed_nonce(dfd, save_id)
+        if now is not None and now != nonce:
+            nonce, part = now, rebind(now)
+        err = rank0_failure(dfd, cid, save_id, nonce)
+        if err is not None:
+            raise err
         if time.monotonic() > deadline:
             raise UserError(f"rank 0 did not commit {cid.name} within {limit:.0f} s; it is not committed")
         time.sleep(0.02)
@@ -225,7 +317,8 @@ def check_replicated(parts: list[dict[str, Any]], cid: CheckpointId) -> None:
                                 "replicated= (save it per rank: drop its key from replicated=)")
 
 
-def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: str, world_size: int) -> mf.Manifest:
+def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: str, nonce: str,
+              world_size: int) -> mf.Manifest:
     """The marker naming every rank's files of this save, once all is checked (rank 0).
 
     Reads every rank's part (only this save's own), removes anything it does not list, checks
@@ -240,7 +333,9 @@ def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: 
         data = read_small(dfd, name)
         part = _header(data)
         # Only this save's own parts: the id is in the name and inside, and must match both.
-        if part.get("save_id") != save_id or part.get("rank") != r or part.get("checkpoint") != cid.name:
+        # ... and of this attempt (the nonce of rank 0's claim): a reused save id's old part never counts.
+        if part.get("save_id") != save_id or part.get("nonce") != nonce or part.get("rank") != r \
+                or part.get("checkpoint") != cid.name:
             raise IntegrityError(f"part manifest of rank {r} ({ckpt_dir / name}) is missing or not of this save; "
                                  "nothing was committed")
         assert data is not None

@@ -4,14 +4,11 @@ The shard layout is layout.py, the threads that write it pipeline.py, the end of
 manifests, file-mode waits, failure notes, rank 0's marker) save_commit.py, and the POSIX
 calls under all of them posix.py. Nothing is followed through a symlink (posix.py says how).
 
-Who may reuse a name: rank 0 claims it (lock.checkpoint_lock, wait=0) before anything is
-written and holds the claim until the marker is written or the save failed; a second saver
-of that name gets ConflictError at once and writes nothing. Under the claim rank 0 refuses
-a name that is committed here (a valid marker), then runs the caller's `name_check` (the API
-passes lifecycle/reuse.py's: refuse a name committed in the archive, drop retention's
-delete-journal entry of the name), and removes files of earlier, never-committed saves of
-the name (overwrite_incomplete=False refuses instead). Other ranks
-only ever delete files carrying their own rank and save id.
+Who may reuse a name is io/claim.py's, the one claim-and-commit path every writer calls: rank
+0 takes the claim (the name's lock, the local and the caller's `name_check` of the archive,
+stale files of never-committed saves removed, the attempt's nonce drawn) before anything is
+written and holds it until the marker is written or the save failed. Other ranks only ever
+delete files carrying their own rank and save id, never one a valid marker lists.
 
 Any exception on any rank in any phase (prepare, write, commit) fails every rank: under
 torch.distributed through Comm.phase, without torch through failure notes in the directory.
@@ -20,26 +17,25 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tiered_ckpt.distributed import Comm
-from tiered_ckpt.errors import EXIT_CONFLICT, ConflictError, IntegrityError, UserError
+from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
 from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe, lock, nested, save_commit
+from tiered_ckpt.io import fsafe, nested, save_commit
+from tiered_ckpt.io.claim import Claim
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.layout import FilePlan, file_owner, new_save_id, plan, require_save_id
 from tiered_ckpt.io.options import WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline, Progress
 from tiered_ckpt.io.pools import BlockPool
-from tiered_ckpt.io.posix import fsync_parents, open_subdir, os_error, remove_dir_if_empty
+from tiered_ckpt.io.posix import open_subdir, os_error
 from tiered_ckpt.io.sources import Source
 from tiered_ckpt.naming import CheckpointId
 
@@ -86,7 +82,10 @@ class Save:
         self.files: list[FilePlan] = []
         self.dfd: int | None = None
         self.entries: list[mf.FileEntry] = []
-        self._claim: ExitStack | None = None
+        self._claim: Claim | None = None
+        self.nonce: str | None = None     # the attempt's (rank 0's claim); every part carries it
+        self._part: bytes | None = None   # file mode, rank > 0: this rank's published part manifest
+        self._leave_files = False         # published: its files are rank 0's to list or to clear
         self._pending: BaseException | None = None   # a local failure the next agreement reports
         self._marker_attempted = False                # from here on nothing of this save is deleted
         self._noted = False
@@ -110,24 +109,24 @@ class Save:
         """Claim and check the name (rank 0), agree, then start the writer threads."""
         self.started(self.comm.phase("preparing", self.cid.name, self.prepare_local, self.on_failure))
 
-    def started(self, ids: list[str | None]) -> None:
-        """After the prepare agreement: adopt rank 0's save id, open the directory, start the writers."""
+    def started(self, ids: list[tuple[str, str] | None]) -> None:
+        """After the prepare agreement: adopt rank 0's save id and nonce, open the directory, start the writers."""
         try:
             if self.comm.collective:
-                sid = ids[0]
-                assert isinstance(sid, str)
-                self.save_id = sid
+                got = ids[0]
+                assert got is not None
+                self.save_id, self.nonce = got
                 if self.comm.rank != 0:
                     self.dfd = fsafe.open_dir(self.dir, anchor=self.root)
             self._start()
         except BaseException as e:  # noqa: BLE001 - reported to every rank at the next agreement
             self.fail(e)
 
-    def prepare_local(self) -> str | None:
-        mf.require_root(self.root)
+    def prepare_local(self) -> tuple[str, str] | None:
         try:
             if self.comm.rank == 0:
                 return self._prepare_rank0()
+            mf.require_root(self.root)
             if self.file_mode:
                 self._prepare_other_rank()
             return None
@@ -145,78 +144,22 @@ class Save:
         finally:
             os.close(rfd)
 
-    def _prepare_rank0(self) -> str:
-        mfd = self._open_model_dir(create=True)
-        try:
-            claim = ExitStack()
-            try:
-                claim.enter_context(lock.checkpoint_lock(self.root, self.model, self.cid.name, "save", wait=0))
-            except ConflictError as e:
-                raise ConflictError(f"cannot save {self.cid.name} now: {e}; this save wrote nothing — if it is another "
-                                    "save of the same step, save under another epoch/step") from None
-            self._claim = claim
-            self._refuse_if_committed(mfd)
-            self.dfd, _ = open_subdir(mfd, self.cid.name, self.dir, create=True)
-        finally:
-            os.close(mfd)
-        if not os.access(self.dir, os.W_OK):
-            raise UserError(f"cannot write to {self.dir}: permission denied; fix its permissions or choose another --root")
-        self._clear_stale()
-        return self.save_id
+    def _keep(self, name: str) -> bool:
+        """File mode: another rank of this save id may already be writing it (its part will carry
+        this attempt's nonce, or rank 0 never counts it). Under torch.distributed the other ranks
+        start after the prepare agreement: everything there is stale."""
+        owner = file_owner(name)
+        return self.file_mode and owner is not None and owner[1] == self.save_id and owner[0] != self.comm.rank
 
-    def _refuse_if_committed(self, mfd: int) -> None:
-        """ConflictError if the name is committed on either tier (rank 0, holding the claim)."""
-        try:
-            st = os.lstat(self.cid.name, dir_fd=mfd)
-        except FileNotFoundError:
-            st = None
-        if st is not None and stat.S_ISDIR(st.st_mode):
-            fd, _ = open_subdir(mfd, self.cid.name, self.dir, create=False)
-            try:
-                m = save_commit.valid_marker(fd, self.cid)
-            finally:
-                os.close(fd)
-            if m is not None:
-                raise ConflictError(
-                    f"{self.dir} is already a committed checkpoint; committed checkpoints are never overwritten — "
-                    "save under another epoch/step, or delete it first (tiered-ckpt retention)"
-                )
-        elif st is not None:
-            open_subdir(mfd, self.cid.name, self.dir, create=False)   # raises: a symlink or a file
-        if self.name_check is not None:
-            self.name_check()      # committed elsewhere (the archive)? refuses; see lifecycle/reuse.py
-
-    def _clear_stale(self) -> None:
-        """Remove what earlier, never-committed saves of this name left (rank 0, under the claim).
-
-        Files of this save (other ranks may already be writing them) stay. A directory inside
-        is never removed (no save creates one: it may hold anyone's files): refused instead.
-        """
-        assert self.dfd is not None
-        stale: list[str] = []
-        with os.scandir(self.dfd) as it:
-            for e in it:
-                owner = file_owner(e.name)
-                if owner is not None and owner[1] == self.save_id and owner[0] != self.comm.rank:
-                    continue            # another rank of this very save is writing it
-                if e.is_dir(follow_symlinks=False):
-                    raise UserError(
-                        f"cannot write {self.dir}: it holds a directory {e.name!r} that no save creates; it is never "
-                        "removed automatically (it may not be ours) — remove it or save under another epoch/step; "
-                        "the checkpoint was not committed", exit_code=EXIT_CONFLICT)
-                stale.append(e.name)
-        if stale and not self.overwrite_incomplete:
-            raise ConflictError(
-                f"{self.dir} holds an earlier save of {self.cid.name} that never committed (no valid {mf.MARKER}); "
-                "pass overwrite_incomplete=True to replace it, or remove the directory"
-            )
-        for name in stale:
-            try:
-                os.unlink(name, dir_fd=self.dfd)   # unlink never follows a symlink
-            except FileNotFoundError:
-                pass
-        if stale:
-            os.fsync(self.dfd)
+    def _prepare_rank0(self) -> tuple[str, str]:
+        c = self._claim = Claim.take(self.root, self.model, self.cid, name_check=self.name_check, keep=self._keep,
+                                     overwrite_incomplete=self.overwrite_incomplete)
+        assert c.dfd is not None
+        self.dfd = os.dup(c.dfd)
+        self.nonce = c.nonce
+        if self.file_mode:
+            save_commit.publish_claim(self.dfd, self.save_id, c.nonce)
+        return self.save_id, c.nonce
 
     def _prepare_other_rank(self) -> None:
         """File mode, rank > 0: the directories (rank 0 may not be there yet), own stale files of this id."""
@@ -282,12 +225,17 @@ class Save:
         try:
             entries = self.pipeline.finish()
             os.fsync(self.dfd)
-            self._write_part(entries)
+            self.entries = entries
+            if self.file_mode and self.comm.rank != 0:
+                # Bound to rank 0's claim of this attempt: learn its nonce from the directory.
+                self.nonce = save_commit.wait_for_claim(self.dfd, self.cid, self.save_id, self.opts.barrier_timeout)
+            self._part = self._write_part(self.nonce or "")
         except OSError as e:
             raise os_error(e, self.dir) from None
-        self.entries = entries
         if self.file_mode and self.comm.rank == 0:
-            save_commit.wait_for_parts(self.dfd, self.cid, self.save_id, self.comm.world_size, self.opts.barrier_timeout)
+            assert self.nonce is not None
+            save_commit.wait_for_parts(self.dfd, self.cid, self.save_id, self.nonce, self.comm.world_size,
+                                       self.opts.barrier_timeout)
 
     def _commit_local(self) -> None:
         if self.comm.rank == 0:
@@ -297,8 +245,10 @@ class Save:
                 raise os_error(e, self.dir / mf.MARKER) from None
             self._release()
         elif self.file_mode:
-            assert self.dfd is not None
-            save_commit.wait_for_marker(self.dfd, self.cid, self.save_id, self.opts.barrier_timeout)
+            assert self.dfd is not None and self._part is not None and self.nonce is not None
+            save_commit.wait_for_marker(self.dfd, self.cid, self.save_id, self.comm.rank, self._part, self.nonce,
+                                        lambda nonce: self._write_part(nonce, replace=True),
+                                        self.opts.barrier_timeout)
 
     def on_failure(self, exc: BaseException) -> None:
         """On every failure path: stop the writers, tell file-mode ranks, remove this rank's files
@@ -312,52 +262,63 @@ class Save:
                     pass
             if self.file_mode:
                 self._note_failure(exc)
-            if not self._marker_attempted:
+            if self._leave_files and self.dfd is not None and \
+                    save_commit.rank0_failure(self.dfd, self.cid, self.save_id, self.nonce) is not None:
+                self._leave_files = False     # rank 0 gave this attempt up: it will list nothing
+            if not self._marker_attempted and not self._leave_files:
                 self._cleanup_own(keep_note=True)
-                if self.comm.world_size == 1:
-                    remove_dir_if_empty(self.root, self.mdir, self.cid.name)
+            if self._claim is not None:
+                self._close_dir()
+                self._claim.abandon()   # removes the directory only if this save created it and it is empty
         finally:
             self._close()      # the save is over: release the claim, close the directory
 
     def _release(self) -> None:
         claim, self._claim = self._claim, None
         if claim is not None:
-            claim.close()
+            claim.release()
+
+    def _close_dir(self) -> None:
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
 
     def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._release()
-        if self.dfd is not None:
-            os.close(self.dfd)
-            self.dfd = None
+        self._close_dir()
 
     def _cleanup_own(self, keep_note: bool) -> None:
         if self.dfd is not None:
             save_commit.cleanup_own(self.dfd, self.comm.rank, self.save_id, keep_note)
 
-    def _write_part(self, entries: list[mf.FileEntry]) -> None:
+    def _write_part(self, nonce: str, replace: bool = False) -> bytes:
         assert self.dfd is not None
-        save_commit.write_part(self.dfd, self.cid, self.save_id, self.comm.rank, self.comm.world_size, self.files,
-                               self.sources, entries, self.structure, self.replicated)
+        data = save_commit.part_bytes(self.cid, self.save_id, nonce, self.comm.rank, self.comm.world_size, self.files,
+                                      self.sources, self.entries, self.structure, self.replicated)
+        save_commit.write_part(self.dfd, self.comm.rank, self.save_id, data, replace=replace)
+        # From here rank 0 may list these files: file mode leaves them to it, unless it noted a failure.
+        self._leave_files = self.file_mode and self.comm.rank != 0
+        self._part = data
+        return data
 
     def _note_failure(self, exc: BaseException) -> None:
         """File mode: tell the other ranks (they poll for it) that this rank failed."""
         if self._noted:
             return
         self._noted = True
-        save_commit.note_failure(self.root, self.model, self.cid, self.comm.rank, self.comm.world_size, self.save_id, exc, self.dfd)
+        save_commit.note_failure(self.root, self.model, self.cid, self.comm.rank, self.comm.world_size, self.save_id,
+                                 exc, self.dfd, nonce=self.nonce)
 
     # -- rank 0 --------------------------------------------------------------------------
     def _commit(self) -> None:
-        assert self.dfd is not None
-        m = save_commit.marker_of(self.dfd, self.root, self.dir, self.cid, self.save_id, self.comm.world_size)
-        # The directory entries (checkpoint in model, model in root) are durable before the marker:
-        # a power loss must not keep the marker and lose the directory holding it.
-        fsync_parents(self.root, self.mdir)
+        assert self.dfd is not None and self._claim is not None and self.nonce is not None
+        m = save_commit.marker_of(self.dfd, self.root, self.dir, self.cid, self.save_id, self.nonce,
+                                  self.comm.world_size)
         self._marker_attempted = True
-        mf.write_marker(self.dir, m, dir_fd=self.dfd)
+        self._claim.commit(m)
 
 
 def digest(s: Source, chunk: int = 16 << 20) -> str:

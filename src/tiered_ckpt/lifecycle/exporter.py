@@ -33,7 +33,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -45,6 +45,7 @@ from tiered_ckpt.errors import UserError
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.logs import fields
 from tiered_ckpt.redact import redact
+from tiered_ckpt.tiers.backends import hash_fd
 from tiered_ckpt.tiers.blob import META_HASH, META_MTIME, META_SIZE, BlobInfo, BlobStore
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,11 @@ def read_status(path: str | os.PathLike[str]) -> ExportStatus | None:
 
 
 class Exporter:
-    def __init__(self, cfg: NodeConfig, store: BlobStore | None = None, status_path: str | os.PathLike[str] | None = None) -> None:
+    """models: the model directories to export (None: the whole root, as AMLFS exports its whole
+    file system); `tiered-ckpt export` passes the one model it was given unless --all-models."""
+
+    def __init__(self, cfg: NodeConfig, store: BlobStore | None = None, status_path: str | os.PathLike[str] | None = None,
+                 models: Sequence[str] | None = None) -> None:
         if cfg.backend != "local":
             raise UserError(
                 "`tiered-ckpt export` is the local stand-in for AMLFS auto-export; with backend amlfs the "
@@ -172,11 +177,23 @@ class Exporter:
         self.status_path = Path(status_path) if status_path else default_status_path(cfg.root)
         self.status = read_status(self.status_path) or ExportStatus()
         self.unreadable: list[str] = []      # what the last walk could not consider
+        self.models = list(models) if models is not None else None
 
     # -- discovery ------------------------------------------------------------------------
     def walk(self) -> dict[str, os.stat_result]:
-        files, self.unreadable = walk_tree(self.root)
-        return files
+        if self.models is None:
+            files, self.unreadable = walk_tree(self.root)
+            return files
+        out: dict[str, os.stat_result] = {}
+        self.unreadable = []
+        for m in self.models:
+            top = self.root / m
+            if not fsafe.is_real_dir(top):
+                continue        # nothing saved yet, or a symlink (never followed)
+            files, bad = walk_tree(top)
+            out.update({f"{m}/{rel}": st for rel, st in files.items()})
+            self.unreadable += bad
+        return out
 
     @staticmethod
     def changed(st: os.stat_result, blob: BlobInfo | None) -> bool:
@@ -187,8 +204,40 @@ class Exporter:
 
     def discover(self) -> list[tuple[str, os.stat_result]]:
         files = self.walk()
-        blobs = self.store.listing("")
-        return sorted(((rel, st) for rel, st in files.items() if self.changed(st, blobs.get(rel))), key=lambda x: x[0])
+        blobs: dict[str, BlobInfo] = {}
+        for prefix in ([""] if self.models is None else self.models):
+            blobs.update(self.store.listing(prefix))
+        todo = []
+        for rel, st in files.items():
+            b = blobs.get(rel)
+            if self.changed(st, b) and not self._same_bytes(rel, st, b):
+                todo.append((rel, st))
+        return sorted(todo, key=lambda x: x[0])
+
+    def _same_bytes(self, rel: str, st: os.stat_result, blob: BlobInfo | None) -> bool:
+        """A file whose size matches its blob but whose mtime does not (a restore just wrote it from
+        that very blob) is hashed: the same bytes are not uploaded again, only the blob's recorded
+        mtime is brought up to date (AMLFS does not re-export a file an import brought back either)."""
+        if blob is None or META_HASH not in blob.metadata or blob.size != st.st_size \
+                or blob.metadata.get(META_SIZE) != str(st.st_size):
+            return False
+        try:
+            fd = fsafe.open_file(self.root / rel, os.O_RDONLY, anchor=self.root)
+        except OSError:
+            return False
+        try:
+            now = os.fstat(fd)
+            if (now.st_ino, now.st_size, now.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
+                return False
+            if hash_fd(fd) != blob.metadata[META_HASH]:
+                return False
+        finally:
+            os.close(fd)
+        try:
+            self.store.set_metadata(rel, {**blob.metadata, META_MTIME: str(st.st_mtime_ns)})
+        except UserError:
+            return False
+        return True
 
     # -- one iteration ----------------------------------------------------------------------
     def _export_one(self, rel: str, st: os.stat_result, per_file: int) -> int:

@@ -24,6 +24,7 @@ from tiered_ckpt import records
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.lifecycle.status import Status, gather
 from tiered_ckpt.naming import parse_name
+from tiered_ckpt.tiers import memory as memory_tier
 from tiered_ckpt.tiers.backends import TierBackend
 
 PREFIX = "tiered_ckpt_"
@@ -51,6 +52,18 @@ METRICS: dict[str, str] = {
     "restore_bytes": "Bytes made readable by the last restore by path",
     "accelerator_free_bytes": "Free bytes on the accelerator layer's file system",
     "check_ok": "1 if this part could be checked, 0 if not (its samples are then left out)",
+    # The node-local memory tier (memory.dir; this node only): tiers/memory.summary.
+    "memory_bytes": "Bytes this node's memory tier holds (own copies and replicas held for a peer)",
+    "memory_budget_bytes": "memory.budget_bytes (0: bounded by the tmpfs only)",
+    "memory_checkpoints": "Committed copies in this node's memory tier, by kind (own, peer)",
+    "memory_newest_step": "Step of the newest committed own copy in this node's memory tier",
+    "memory_saves_total": "Memory-tier saves by this node's ranks (since their processes started)",
+    "memory_replica_lag_seconds": "Seconds from a memory commit to its replica committed on the peer (last save)",
+    "memory_replica_failures_total": "Replica transfers that failed (the copy stays in this node's memory)",
+    "memory_persists_total": "Memory checkpoints persisted to the checkpoint root",
+    "memory_persist_failures_total": "Persists to the checkpoint root that failed",
+    "memory_flushes_total": "Emergency flushes (SIGTERM, preemption notice) that persisted a checkpoint",
+    "memory_restore_fallbacks_total": "Restores that fell from a memory source to the next after a failed check",
 }
 
 
@@ -102,7 +115,26 @@ class _Collector(Collector):
             if st.capacity is not None:
                 put("accelerator_free_bytes", st.capacity.free_bytes)
         self._records(put)
+        self._memory(put)
         yield from out.values()
+
+    def _memory(self, put: Any) -> None:
+        cfg = self.cfg
+        m = memory_tier.summary(cfg.memory, cfg.model, cfg.naming)
+        if m is None:
+            return
+        put("memory_bytes", m.used_bytes)
+        put("memory_budget_bytes", m.budget_bytes)
+        put("memory_checkpoints", m.own, kind="own")
+        put("memory_checkpoints", m.peer, kind="peer")
+        put("memory_newest_step", m.newest_step)
+        put("memory_saves_total", m.counters["saves"])
+        put("memory_replica_lag_seconds", m.replica_lag_seconds)
+        put("memory_replica_failures_total", m.counters["replica_failures"])
+        put("memory_persists_total", m.counters["persists"])
+        put("memory_persist_failures_total", m.counters["persist_failures"])
+        put("memory_flushes_total", m.counters["flushes"])
+        put("memory_restore_fallbacks_total", m.counters["fallbacks"])
 
     def _records(self, put: Any) -> None:
         cfg = self.cfg

@@ -46,6 +46,7 @@ class Candidate:
     journaled: bool = False       # a killed apply was deleting it
     restored_utc: datetime | None = None   # when `restore` last brought it back (or checked it)
     why_not: str | None = None    # not committed because its marker is invalid / files do not match
+    pinned_by: tuple[str, ...] = ()   # live keep-pins (pins.py): e.g. Lightning's best-k pointers
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,15 @@ class KeepRestoredWithin:
 
 
 @dataclass(frozen=True)
+class KeepPinned:
+    """Keep a checkpoint a framework pinned (pins.py): the ones Lightning's ModelCheckpoint keeps as
+    best-k or last, so that `ckpt_path="best"` and a pointer never name a freed checkpoint. Always on."""
+
+    def reason(self, c: Candidate, rank: int, now: datetime) -> str | None:
+        return f"pinned ({', '.join(c.pinned_by)})" if c.pinned_by else None
+
+
+@dataclass(frozen=True)
 class AnyKeep:
     """The union of keep rules: kept if any rule keeps it; every rule that does is named, in order."""
 
@@ -158,7 +168,7 @@ class Policy:
 
     def keep_rules(self) -> AnyKeep:
         """The keep rules these settings switch on (a rule set to 0 / unset is off)."""
-        rules: list[KeepRule] = [KeepLast(self.keep_last)]
+        rules: list[KeepRule] = [KeepLast(self.keep_last), KeepPinned()]
         if self.keep_every_steps:
             rules.append(KeepEverySteps(self.keep_every_steps))
         if self.keep_newer_than is not None:

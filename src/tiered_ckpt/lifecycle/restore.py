@@ -259,6 +259,61 @@ def choose(cfg: NodeConfig, backend: TierBackend, name: str | None, warnings: li
     return found[max(found, key=lambda n: found[n].manifest.id)]
 
 
+def resume_point(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *,
+                 progress: RestoreProgress | None = None,
+                 lock_wait: float | None = DEFAULT_LOCK_WAIT) -> str | None:
+    """What a training restart loads: `name`, else the newest checkpoint committed on EITHER tier,
+    made readable on the accelerator layer first when only the archive holds it (a restore, as
+    `tiered-ckpt restore NAME` does). None when neither tier holds a committed checkpoint: a first
+    start, nothing to resume.
+
+    The accelerator layer is read cheaply (newest first, stopping at the first committed one);
+    the archive is listed only where one is configured. A checkpoint committed on the accelerator
+    layer (resident or released) is used in place: reading a released AMLFS file restores it
+    (HSM). If the archive cannot be reached, a committed local checkpoint is used and a warning
+    logged (a restart does not wait for Blob); with nothing local the UnavailableError stands,
+    because "nothing to resume" cannot be told from "the archive did not answer".
+    """
+    if cfg.backend == "amlfs" or not backend.archive_configured:
+        mf.require_root(cfg.root, "root")   # AMLFS not mounted is not "nothing to resume"
+    if name is not None:
+        require_name(name, cfg.naming)
+        if _local_found(cfg, name) is not None or not backend.archive_configured:
+            return name
+        if _resolve(cfg, backend, name) is not None:
+            restore(cfg, backend, name, progress=progress, lock_wait=lock_wait)
+        return name        # not committed anywhere: the reader's own message says so
+    newest, where = _newest(cfg, backend)
+    if newest is not None and where == "archive":
+        log.info("the newest committed checkpoint %s is only in the archive: restoring it", newest.name,
+                 extra=fields("resume", model=cfg.model, checkpoint=newest.name))
+        return restore(cfg, backend, newest.name, progress=progress, lock_wait=lock_wait).name
+    return newest.name if newest is not None else None
+
+
+def newest_committed(cfg: NodeConfig, backend: TierBackend) -> mf.Manifest | None:
+    """The newest checkpoint committed on either tier (archive listed where configured); restores nothing."""
+    return _newest(cfg, backend)[0]
+
+
+def _newest(cfg: NodeConfig, backend: TierBackend) -> tuple[mf.Manifest | None, str]:
+    local = mf.latest_committed(cfg.root, cfg.model, cfg.naming) if Path(cfg.root).is_dir() else None
+    newest = local.manifest if local is not None else None
+    if backend.archive_configured:
+        try:
+            archived = _archive_found(backend.store, cfg.model, backend.store.listing(cfg.model), cfg.naming)
+        except UnavailableError as e:
+            if newest is None:
+                raise
+            log.warning("archive not consulted for the newest checkpoint, only the accelerator layer: %s", e,
+                        extra=fields("resume", model=cfg.model, checkpoint=newest.name))
+            archived = {}
+        top = max((f.manifest for f in archived.values()), key=lambda m: m.id, default=None)
+        if top is not None and (newest is None or top.id > newest.id):
+            return top, "archive"
+    return newest, "accelerator"
+
+
 # -- checks -------------------------------------------------------------------------------------
 
 def _hash_problems(root: Path, ckpt_dir: Path, files: list[mf.FileEntry], workers: int) -> list[tuple[mf.FileEntry, str]]:

@@ -35,7 +35,7 @@ from tiered_ckpt.errors import ConflictError
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.io.lock import checkpoint_lock, exclusive, lock_path
-from tiered_ckpt.lifecycle import tombstone
+from tiered_ckpt.lifecycle import pins, tombstone
 from tiered_ckpt.lifecycle.journal import add as _journal_add
 from tiered_ckpt.lifecycle.journal import forget, forget_restored, journaled, restored
 from tiered_ckpt.lifecycle.policy import (
@@ -123,7 +123,8 @@ def _dir_bytes(p: Path) -> int:
 
 
 def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, CheckpointProof], pending: set[str],
-                    restored: Mapping[str, datetime] | None = None) -> list[Candidate]:
+                    restored: Mapping[str, datetime] | None = None,
+                    pinned: Mapping[str, Sequence[str]] | None = None) -> list[Candidate]:
     out = []
     for c in infos:
         p = proofs.get(c.name)
@@ -135,6 +136,7 @@ def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, Checkp
             journaled=c.name in pending and not c.committed,
             restored_utc=(restored or {}).get(c.name),
             why_not=c.why_not_committed,
+            pinned_by=tuple((pinned or {}).get(c.name, ())),
         ))
     return out
 
@@ -171,7 +173,7 @@ def _gather(cfg: NodeConfig, backend: TierBackend) -> tuple[list[Candidate], dic
     infos = mf.scan(cfg.root, cfg.model, cfg.naming)
     evidence = _evidence(cfg.root, infos)
     cands = candidates_from(infos, prove(backend, infos), journaled(cfg.root, cfg.model),
-                            restored(cfg.root, cfg.model))
+                            restored(cfg.root, cfg.model), pins.pinned(cfg.root, cfg.model))
     return cands, evidence
 
 

@@ -4,8 +4,8 @@ Retention deletes a checkpoint from the accelerator layer only once every file i
 archived; the name stays committed in the archive. A later save of that name must be refused
 (its marker in Blob is the committed copy; the same name with other content on the other tier
 would be two checkpoints with one name). The writer checks the archive itself where one is
-configured, but the archive may be unreachable (then a save must not block training); this
-local record answers without the network. Retention records it (`record`) before it deletes;
+configured (an unreachable one refuses the save unless the caller passed
+archive_check="best_effort"); this local record answers without the network. Retention records it (`record`) before it deletes;
 the writer refuses a name that is `present`; `clear` is for an operator (or a tool) that has
 deleted the archived copy too and wants the name back.
 
