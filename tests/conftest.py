@@ -24,7 +24,7 @@ NETWORK_FIXTURES = frozenset({"azurite", "azurite_container", "arm_double", "arm
 # Test modules that exercise benchmarks/.
 BENCHMARK = frozenset({
     "toolkit/test_async_bench.py", "toolkit/test_bench_isolation.py", "toolkit/test_bench_smoke.py",
-    "toolkit/test_dcp_bench.py",
+    "toolkit/test_bench_runner.py", "toolkit/test_dcp_bench.py",
 })
 
 # Test modules (or single node ids) that spawn gloo ranks or CLI/Python subprocesses: seconds each.
@@ -35,17 +35,22 @@ SLOW = frozenset({
     "infra/test_infra_settings.py::test_plan_script_prints_one_line_and_exits_2_without_traceback",
     "lifecycle/test_restore_races.py", "lifecycle/test_timeline.py",
     "teardown/test_teardown.py",
-    "toolkit/test_cli_habits.py", "toolkit/test_cli_io.py", "toolkit/test_config_errors.py",
+    "toolkit/test_claim_paths.py", "toolkit/test_cli_habits.py", "toolkit/test_cli_io.py", "toolkit/test_config_errors.py",
     "toolkit/test_config_rules.py", "toolkit/test_dcp.py", "toolkit/test_dcp_async.py",
-    "toolkit/test_dcp_faults.py", "toolkit/test_dcp_plan_cache.py", "toolkit/test_dcp_ranks.py",
-    "toolkit/test_hostile_files.py", "toolkit/test_lightning.py", "toolkit/test_multirank.py",
+    "toolkit/test_dcp_faults.py", "toolkit/test_dcp_interop.py", "toolkit/test_dcp_parity.py",
+    "toolkit/test_dcp_plan_cache.py", "toolkit/test_dcp_ranks.py", "toolkit/test_dcp_read_paths.py",
+    "toolkit/test_hostile_files.py", "toolkit/test_lightning.py", "toolkit/test_lightning_fsdp.py",
+    "toolkit/test_memory_tier.py", "toolkit/test_multirank.py",
     "toolkit/test_packaging.py", "toolkit/test_redaction.py", "toolkit/test_replicated.py",
-    "toolkit/test_sigkill.py", "toolkit/test_torch_dist.py", "toolkit/test_training_state.py",
+    "toolkit/test_resume_tiers.py", "toolkit/test_reused_save_id.py", "toolkit/test_sigkill.py", "toolkit/test_torch_dist.py", "toolkit/test_training_state.py",
     "toolkit/test_writer_ranks.py", "toolkit/test_writer_safety.py",
 })
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    stale = sorted(e for e in SLOW | BENCHMARK if not (TESTS / e.split("::")[0]).is_file())
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py lists test modules that do not exist: {stale}")
     for item in items:
         try:
             rel = item.path.resolve().relative_to(TESTS).as_posix()
