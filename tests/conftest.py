@@ -31,7 +31,8 @@ BENCHMARK = frozenset({
 SLOW = frozenset({
     "demo/test_demo.py", "demo/test_timeline_script.py",
     "infra/test_infra_cloud_init.py::test_a_node_venv_from_the_tarball_runs_the_toolkit_without_the_demo_libraries",
-    "infra/test_infra_python_floor.py",
+    "infra/test_infra_cluster.py::test_no_secret_value_in_custom_data_outputs_or_plan_output",
+    "infra/test_infra_preview.py", "infra/test_infra_python_floor.py",
     "infra/test_infra_settings.py::test_plan_script_prints_one_line_and_exits_2_without_traceback",
     "lifecycle/test_restore_races.py", "lifecycle/test_timeline.py",
     "teardown/test_teardown.py",
