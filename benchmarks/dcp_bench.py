@@ -10,13 +10,15 @@ Side by side in one run, on the same state, in the same directory, fsync include
   * `dcp.async_save` in thread mode, the caller's blocked time (call to return): TieredWriter with the
     stager `tiered_ckpt.dcp` exposes (else DCP's DefaultStager) vs FileSystemWriter with its own
     default stager; first and second save in one process;
-  * 100,000 tensors of 4 KiB: save and load, each against FileSystemWriter/Reader.
+  * 100,000 tensors of 4 KiB: save and load, each against FileSystemWriter/Reader;
+  * TieredWriter alone saving a 1 GiB and a 4 GiB per-rank state (--sizes; the 4 GiB one in the
+    first round only) against fio's write: fixed per-save costs show at the smaller size.
 Every figure is timed from the call to its return in a fresh process (gloo world of 1), after
 `sync` and dropping the page cache (needs root; said so when it cannot), in N interleaved rounds
 whose order rotates; ratios are taken within a round, then medians and min-max ranges.
 
-    python -m benchmarks dcp [--params 512MiB] [--rounds 2] [--many 100000] [--json] [--quick]
-    env: BENCH_DCP_PARAMS, BENCH_DCP_ROUNDS, BENCH_DCP_MANY, BENCH_DCP_DIR (default .bench/dcp)
+    python -m benchmarks dcp [--params 512MiB] [--rounds 2] [--many 100000] [--sizes 1GiB,4GiB] [--json] [--quick]
+    env: BENCH_DCP_PARAMS, BENCH_DCP_ROUNDS, BENCH_DCP_MANY, BENCH_DCP_SIZES, BENCH_DCP_DIR (default .bench/dcp)
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from typing import Any
 
 from benchmarks.harness import (
     BENCH_ERROR,
+    DISK_GOAL,
     build_many,
     disk,
     drop_caches,
@@ -57,6 +60,8 @@ MODEL = "bench"
 GOALS = {
     "write_vs_fsw": 1.5,       # >= our write GB/s / FileSystemWriter's (its best thread count)
     "write_vs_fio": 0.9,       # >= our write GB/s / fio's sequential write
+    "write_1g_vs_fio": DISK_GOAL,  # >= TieredWriter's GB/s / the disk's write figure, a 1 GiB per-rank state
+    "write_4g_vs_fio": DISK_GOAL,  # the same for a 4 GiB one (round 1 only: it costs the most to build)
     "load_vs_fsr": 1.5,        # >= our load GB/s / FileSystemReader's
     "async_block_vs_dcp": 1.0,  # <= our async_save blocked time / DCP's with its default stager
     "many_save_vs_dcp": 2.0,   # <= our time / FileSystemWriter's for 100,000 tensors of 4 KiB
@@ -75,6 +80,10 @@ ISSUE_PARAMS, ISSUE_MANY = 4 << 30, 100_000
 DEFAULT_PARAMS = "512MiB"
 DEFAULT_SMALL = 1000
 DEFAULT_MANY = 10_000
+# Per-rank states (parameters + AdamW moments) that TieredWriter alone also saves, against the disk's
+# figure: fixed per-save costs show at 1 GiB; 4 GiB is the issue's size. --quick: 16 and 64 MiB.
+SIZE_ROWS = "1GiB,4GiB"
+QUICK_SIZE_ROWS = "16MiB,64MiB"
 HIDDEN = 2048                            # layer width at the default size: 16 MiB fp32 square matrices
 
 
@@ -315,7 +324,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
 
     base = {"dir": str(work), "params": args.params, "small": args.small, "many": args.many}
     rounds: list[dict[str, Any]] = []
-    n_meas = 2 + len(FSW_THREADS) + 1 + 2 + 2 + 4 + 2
+    n_meas = 2 + len(FSW_THREADS) + 1 + 2 + 2 + 4 + 2 + len(args.size_rows)
     t_all = time.monotonic()
     step = 0
     facts: dict[str, Any] = {}
@@ -367,6 +376,14 @@ def run(args: argparse.Namespace, progress: Callable[[str], None],
             for label, spec in rotate(loads, r):
                 rd["load_" + spec["who"]] = measure(label, {"kind": "load", "what": "state"} | spec)
             _clean(work)
+            for key, nbytes in args.size_rows.items():
+                if key == "4g" and r:
+                    continue            # round 1 only: building 4 GiB costs more than its save
+                step += 1
+                rd[f"size_{key}"] = measure(f"save TieredWriter, {nbytes / (1 << 30):.2f} GiB state",
+                                            {"kind": "save", "what": "state", "who": "tiered", "step": step,
+                                             "name": "-", "params": max(1 << 20, nbytes // 3)})
+                _clean(work)
             # async_save: two saves per process, ours vs DCP's own.
             step += 2
             asyncs = [("async_save TieredWriter", {"who": "tiered", "step": step - 1, "name": "-"}),
@@ -443,6 +460,11 @@ def _summarize(rounds: list[dict[str, Any]], facts: dict[str, Any], args: argpar
         add("write_vs_fsw", ours_w / max(fsw.values()))
         add("write_vs_fsw1", ours_w / fsw[1])
         add("write_vs_fio", ours_w / rd["fio_write"])
+        for key in ("1g", "4g"):
+            if f"size_{key}" in rd:
+                add(f"write_{key}_GBps", gbps(rd[f"size_{key}"]))
+                add(f"write_{key}_vs_fio", gbps(rd[f"size_{key}"]) / rd["fio_write"])
+                add(f"size_{key}_bytes", rd[f"size_{key}"]["bytes"])
         add("fsw_best_vs_fio", max(fsw.values()) / rd["fio_write"])
         lt, lf = gbps(rd["load_tiered"]), gbps(rd["load_fsr"])
         add("load_tiered_GBps", lt)
@@ -472,6 +494,7 @@ def _summarize(rounds: list[dict[str, Any]], facts: dict[str, Any], args: argpar
     met: dict[str, bool] = {
         "write_vs_fsw": med["write_vs_fsw"] >= GOALS["write_vs_fsw"],
         "write_vs_fio": med["write_vs_fio"] >= GOALS["write_vs_fio"],
+        **{k: med[k] >= GOALS[k] for k in ("write_1g_vs_fio", "write_4g_vs_fio") if k in med},
         "load_vs_fsr": med["load_vs_fsr"] >= GOALS["load_vs_fsr"],
         "async_block_vs_dcp": med["async_block_vs_dcp"] <= GOALS["async_block_vs_dcp"],
         "many_save_vs_dcp": med["many_save_vs_dcp"] <= GOALS["many_save_vs_dcp"],
@@ -515,6 +538,9 @@ def render(res: dict[str, Any]) -> str:
         ("write vs fio", _rng(st, "write_tiered_GBps", unit=" GB/s"),
          f"fio {_rng(st, 'fio_write_GBps')} (wall {st['fio_write_wall_GBps']['median']:.2f})",
          _rng(st, "write_vs_fio", unit="x"), f">= {g['write_vs_fio']}x", met["write_vs_fio"]),
+        *[(f"write vs fio, {st[f'size_{k}_bytes']['median'] / (1 << 30):.2f} GiB state", _rng(st, f"write_{k}_GBps", unit=" GB/s"),
+           f"fio {_rng(st, 'fio_write_GBps')}", _rng(st, f"write_{k}_vs_fio", unit="x"), f">= {g[f'write_{k}_vs_fio']}x",
+           met[f"write_{k}_vs_fio"]) for k in ("1g", "4g") if f"write_{k}_vs_fio" in st],
         ("load vs FileSystemReader", _rng(st, "load_tiered_GBps", unit=" GB/s"), f"{_rng(st, 'load_fsr_GBps')}",
          _rng(st, "load_vs_fsr", unit="x"), f">= {g['load_vs_fsr']}x", met["load_vs_fsr"]),
         ("load vs fio read", _rng(st, "load_tiered_GBps", unit=" GB/s"),
@@ -570,9 +596,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="leave the page cache alone (a smoke run on a shared machine; figures are then warm-cache)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke run)")
+    ap.add_argument("--sizes", default=env("BENCH_DCP_SIZES", ""),
+                    help=f"the two per-rank states TieredWriter also saves against fio (default {SIZE_ROWS}; the "
+                         "second in round 1 only)")
     args, _ = ap.parse_known_args(argv)    # `python -m benchmarks` hands every suite the same arguments
     if args.quick:
         args.params, args.small, args.many, args.rounds = "16MiB", 50, 1000, 1
+    sizes = [parse_size(x, "--sizes") for x in str(args.sizes or (QUICK_SIZE_ROWS if args.quick else SIZE_ROWS)).split(",")]
+    if len(sizes) != 2 or min(sizes) < 3 << 20:
+        ap.error("--sizes takes two per-rank state sizes of at least 3MiB, e.g. 1GiB,4GiB")
+    args.size_rows = dict(zip(("1g", "4g"), sizes, strict=True))
     args.params = parse_size(str(args.params), "--params")
     if args.params < 1 << 20 or args.rounds < 1 or args.many < 1 or args.small < 0:
         ap.error("--params must be >= 1MiB, --rounds and --many >= 1, --small >= 0")

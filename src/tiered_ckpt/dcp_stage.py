@@ -40,6 +40,7 @@ Torch is imported here only (like tiered_ckpt.dcp).
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
 import logging
 import os
@@ -56,7 +57,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from tiered_ckpt.config import IoConfig
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import pools
+from tiered_ckpt.io import pools, sources
 from tiered_ckpt.io.pools import ALIGN
 
 __all__ = ["TieredStager", "addresses", "notify_written"]
@@ -83,7 +84,11 @@ class _Chunk:
                 fin = weakref.finalize(storage, pin_utils.unpin_memory, self.base.data_ptr())
                 fin.atexit = False     # not after the CUDA context is gone
         else:
-            self.base = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            # Started on a page (torch.empty's memory starts 64 bytes into one): the writer's
+            # O_DIRECT writes go straight from the staged tensors (io/pipeline.py).
+            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+            shift = -raw.data_ptr() % ALIGN
+            self.base = raw[shift:shift + nbytes]
         self.address = self.base.data_ptr()
         self.free: list[tuple[int, int]] = [(0, nbytes)]     # (offset, length), sorted by offset
 
@@ -253,6 +258,9 @@ class TieredStager(AsyncStager):
                             regions.append((chunk.address + pos, chunk.address + pos + n))
                         else:
                             dst = torch.empty(src.shape, dtype=src.dtype)
+                        if chunk is not None and _aligned(n) > n:
+                            # The padding to the next page: an O_DIRECT write of an item's tail reads it.
+                            ctypes.memset(chunk.address + pos + n, 0, _aligned(n) - n)
                         if n and src.device.type == "cpu" and src.is_contiguous():
                             host.append((dst.data_ptr(), src.data_ptr(), n))    # below, on several threads
                         else:
@@ -346,10 +354,16 @@ class TieredStager(AsyncStager):
                 staged: list[Any]) -> _Ticket:
         state: list[bool] = []
 
+        # The staged extents stay unchanged until released: the TieredWriter's pipeline writes
+        # their blocks straight from them (pipeline.py), no copy through its ring.
+        tokens = [sources.hold_stable(chunk.address + off, n) for chunk, off, n in extents if chunk is not None and n]
+
         def release() -> None:
             if state:
                 return
             state.append(True)      # list.append is atomic: an extent is given back once
+            for token in tokens:
+                sources.drop_stable(token)
             for chunk, off, n in extents:
                 self._free(chunk, off, n)
 

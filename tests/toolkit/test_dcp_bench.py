@@ -21,7 +21,7 @@ pytestmark = [
 from benchmarks import dcp_bench  # noqa: E402
 from benchmarks.harness import MANY_BYTES  # noqa: E402
 
-TINY = ["--params", "2MiB", "--small", "12", "--many", "40", "--rounds", "2", "--no-drop-caches"]
+TINY = ["--params", "2MiB", "--small", "12", "--many", "40", "--rounds", "2", "--sizes", "3MiB,12MiB", "--no-drop-caches"]
 
 
 def test_bench_runs_and_reports_every_goal(tmp_path: Path) -> None:
@@ -36,9 +36,14 @@ def test_bench_runs_and_reports_every_goal(tmp_path: Path) -> None:
         return json.loads(json.dumps(dcp_bench._child(spec)))
 
     res = dcp_bench.run(args, lines.append, runner=in_process)
+    # The state saved by TieredWriter alone at --sizes (the larger in round 1 only).
+    sized = [s for s in specs if s["kind"] == "save" and s.get("params") != args.params]
+    assert [(s["who"], s["params"]) for s in sized] == [("tiered", 1 << 20), ("tiered", 4 << 20), ("tiered", 1 << 20)]
+    assert {f"write_{k}_vs_fio" for k in ("1g", "4g")} <= set(res["stats"])
+    specs = [s for s in specs if s not in sized]
     # Every measurement of every round, in a different order in the second round.
     per_round = len(specs) // 2
-    assert len(specs) == 2 * per_round == 2 * 14 and len(lines) == 2 * 16
+    assert len(specs) == 2 * per_round == 2 * 14 and len(lines) == 2 * 16 + 3
     order = [(s["kind"], s["what"], s["who"], s.get("threads")) for s in specs]
     assert order[:per_round] != order[per_round:] and sorted(order[:per_round]) == sorted(order[per_round:])
     assert {s["who"] for s in specs} == {"tiered", "fsw", "fsr"}
@@ -60,7 +65,7 @@ def test_bench_runs_and_reports_every_goal(tmp_path: Path) -> None:
     assert "DCP STATE SIZE" in table and "PAGE CACHE NOT DROPPED" in table
     for label in ("write vs FileSystemWriter", "write vs fio", "load vs FileSystemReader", "async_save blocked, 2nd save",
                   "save 40 x 4 KiB", "load 40 x 4 KiB", "save 40 x 4 KiB: share in our code",
-                  "load 40 x 4 KiB: share in our code", "metadata, many tensors"):
+                  "load 40 x 4 KiB: share in our code", "metadata, many tensors", "write vs fio, 0.0"):
         row = next(line for line in table.splitlines() if line.startswith(label))
         assert row.endswith((" met", "NOT MET")), row
     json.loads(json.dumps(res))                              # --json prints exactly this

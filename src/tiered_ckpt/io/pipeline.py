@@ -4,6 +4,10 @@ A producer copies the bytes into page-aligned pool blocks (see pools.py), round-
 shards being written, and writer threads (one shard each at a time) hash every block inline
 (xxh3-128) and write it with O_DIRECT; the last partial block is zero-padded, written, and the
 file truncated to its true size. Every shard is fsynced (the directory by the caller).
+
+A block whose bytes are already staged (one run of page-aligned memory declared by
+sources.hold_stable: the async staging area, TieredStager's pool) is not copied: the writer
+hashes it and writes it with O_DIRECT straight from the staging memory (`totals` counts both ways).
 """
 from __future__ import annotations
 
@@ -22,9 +26,15 @@ from tiered_ckpt.io.layout import FilePlan
 from tiered_ckpt.io.options import WriteOptions
 from tiered_ckpt.io.pools import ALIGN, Aborted, BlockPool
 from tiered_ckpt.io.posix import open_data, os_error, pwrite_all
-from tiered_ckpt.io.sources import Source
+from tiered_ckpt.io.sources import Source, byte_view, is_stable
 
 Progress = Callable[[int], None]
+
+# Bytes this process's pipelines copied into ring blocks ("ring") and wrote straight from staged
+# memory ("staged"): for tests and benchmarks.
+totals: dict[str, int] = dict.fromkeys(("ring", "staged"), 0)
+_totals_lock = threading.Lock()
+_STAGED = -1        # the block index of a chunk written from staged memory (no pool block)
 
 
 class Pipeline:
@@ -39,7 +49,8 @@ class Pipeline:
         self.error: BaseException | None = None
         self._err_lock = threading.Lock()
         self._work: queue.Queue[int | None] = queue.Queue()
-        self._chunks: list[queue.Queue[tuple[int, int, int]]] = [queue.Queue() for _ in files]
+        # (file offset, pool block or _STAGED, bytes, staged address)
+        self._chunks: list[queue.Queue[tuple[int, int, int, int]]] = [queue.Queue() for _ in files]
         self._sched_lock = threading.Lock()
         self._pending = deque(range(len(files)))
         self._active: list[list[int]] = []
@@ -130,12 +141,43 @@ class Pipeline:
                 self.pool.release(idx)
                 return
             fi, off, n = task
+            at = self._staged(self.files[fi], off, n)
+            if at is not None:
+                self.pool.release(idx)
+                self._chunks[fi].put((off, _STAGED, n, at))
+                continue
             try:
                 self._fill(idx, self.files[fi], off, n)
             except BaseException:
                 self.pool.release(idx)
                 raise
-            self._chunks[fi].put((off, idx, n))
+            with _totals_lock:
+                totals["ring"] += n
+            self._chunks[fi].put((off, idx, n, 0))
+
+    def _staged(self, fp: FilePlan, file_off: int, n: int) -> int | None:
+        """The address of the block's bytes if they are one page-aligned run of staged memory
+        (with the padding an O_DIRECT write of its tail needs), else None."""
+        si = fp.locate(file_off)
+        pos, start = 0, None
+        while pos < n:
+            seg = fp.segments[si]
+            src = self.sources[seg.source]
+            if src.address is None or src.device_bytes is not None or src.kind == "stream":
+                return None
+            into = file_off + pos - seg.file_offset
+            addr = src.address + seg.src_offset + into
+            if start is None:
+                if addr % ALIGN:
+                    return None
+                start = addr
+            elif addr != start + pos:
+                return None
+            pos += min(seg.nbytes - into, n - pos)
+            si += 1
+        if start is None or not is_stable(start, -(-n // ALIGN) * ALIGN):
+            return None
+        return start
 
     def _fill(self, idx: int, fp: FilePlan, file_off: int, n: int) -> None:
         out, out_addr = self.pool.view(idx), self.pool.address(idx)
@@ -164,13 +206,13 @@ class Pipeline:
                     self.fail(e)
                     return
 
-    def _next_chunk(self, fi: int, off: int, held: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    def _next_chunk(self, fi: int, off: int, held: dict[int, tuple[int, int, int]]) -> tuple[int, int, int]:
         """The block holding `off` of shard fi; copy threads may deliver blocks out of order."""
         q = self._chunks[fi]
         while off not in held:
             try:
-                o, idx, n = q.get(timeout=0.05)
-                held[o] = (idx, n)
+                o, idx, n, at = q.get(timeout=0.05)
+                held[o] = (idx, n, at)
             except queue.Empty:
                 if self.aborted.is_set():
                     raise Aborted() from None
@@ -182,28 +224,35 @@ class Pipeline:
         fd, direct = open_data(self.dfd, fp.path, path, self.opts.direct)
         if not direct:
             self.direct_used = False
-        held: dict[int, tuple[int, int]] = {}
+        held: dict[int, tuple[int, int, int]] = {}
         try:
             h = new_hasher() if self.opts.hash else None
             off = 0
             while off < fp.size:
-                idx, n = self._next_chunk(fi, off, held)
+                idx, n, at = self._next_chunk(fi, off, held)
                 try:
-                    view = self.pool.view(idx)
+                    wlen = -(-n // ALIGN) * ALIGN if direct and n % ALIGN else n
+                    if idx == _STAGED:
+                        # Staged bytes (unchanged until this save ends): hashed and written from there.
+                        view = byte_view(at, wlen)
+                    else:
+                        view = self.pool.view(idx)
+                        if wlen > n:
+                            view[n:wlen] = bytes(wlen - n)
                     # Hash on a helper thread while this one writes the same block: xxh3 releases
                     # the GIL, so the hash costs no device time (blocks stay in order per shard).
                     hashed = hasher.submit(h.update, view[:n]) if h is not None else None
-                    wlen = n
-                    if direct and n % ALIGN:
-                        wlen = -(-n // ALIGN) * ALIGN
-                        view[n:wlen] = bytes(wlen - n)
                     try:
                         pwrite_all(fd, view[:wlen], off)
                     finally:
                         if hashed is not None:
                             hashed.result()
                 finally:
-                    self.pool.release(idx)
+                    if idx != _STAGED:
+                        self.pool.release(idx)
+                if idx == _STAGED:
+                    with _totals_lock:
+                        totals["staged"] += n
                 off += n
                 if self.progress is not None:
                     self.progress(n)
@@ -214,8 +263,9 @@ class Pipeline:
             raise os_error(e, path) from None
         finally:
             os.close(fd)
-            for idx, _ in held.values():
-                self.pool.release(idx)
+            for idx, _, _ in held.values():
+                if idx != _STAGED:
+                    self.pool.release(idx)
         return mf.FileEntry(fp.path, fp.size, h.hexdigest() if h is not None else None, self.rank)
 
     def finish(self) -> list[mf.FileEntry]:
@@ -225,7 +275,9 @@ class Pipeline:
         # Drain blocks left in queues by an abort, so the reusable pool stays whole.
         for q in self._chunks:
             while not q.empty():
-                self.pool.release(q.get_nowait()[1])
+                idx = q.get_nowait()[1]
+                if idx != _STAGED:
+                    self.pool.release(idx)
         if self.error is not None:
             raise self.error
         return [e for e in self.entries if e is not None]

@@ -273,11 +273,14 @@ class Lease:
     def __init__(self, area: StagingArea, view: memoryview, address: int) -> None:
         self.area, self.view, self.address = area, view, address
         self._closed = False
+        # Unchanged until the save ends (one lease at a time): the writers write from it.
+        self._stable = srcs.hold_stable(address, len(view))
 
     def close(self) -> None:
         """The save is over (written, or failed): the next save may use the area."""
         if not self._closed:
             self._closed = True
+            srcs.drop_stable(self._stable)
             self.area._done()
 
 
@@ -331,7 +334,10 @@ def snapshot(sources: list[Source], *, budget: int, block_size: int, ring_bytes:
     (ctypes releases the GIL) on up to `copy_threads` threads (default: one per core, at most
     8); device memory is copied on a side stream into pinned pages (sources.copy_from_device).
     """
-    total = sum(_aligned(s.nbytes) for s in sources)
+    # Packed as the files lay them out (layout.plan: the concatenation, shards 4 KiB-aligned in
+    # it), so every block of every shard is one page-aligned run of staged bytes the writers
+    # write straight from; the tail's padding is zeroed (an O_DIRECT write of it reads it).
+    total = _aligned(sum(s.nbytes for s in sources))
     ring_bs, ring_n = block_geometry(max(2 * ALIGN, min(ring_bytes, total)), block_size)
     ring = ring_bs * ring_n
     area = _staging
@@ -383,7 +389,8 @@ def _copy_all(sources: list[Source], lease: Lease, start: int, copy_threads: int
         else:
             staged.append(Source(s.name, s.nbytes, s.kind, s.dtype, s.shape, view, lease.address + pos, view,
                                  (s.nbytes, None)))
-        pos += _aligned(s.nbytes)
+        pos += s.nbytes
+    ctypes.memset(lease.address + pos, 0, _aligned(pos) - pos)
     if device:
         lease.area.pin()
         srcs.copy_from_device([(s.device_bytes, v) for s, v in device])

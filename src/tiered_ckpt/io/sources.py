@@ -8,8 +8,10 @@ without either installed.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -65,6 +67,33 @@ class Source:
         if now[1] != self.signature[1]:
             return f"buffer {self.name!r} was reallocated (moved in memory) during the save"
         return None
+
+
+# Memory whose bytes stay unchanged until the save writing them ends: staging copies (the async
+# staging area's lease, TieredStager's extents). The write pipeline writes a block straight from
+# such memory (O_DIRECT from the staged bytes, hashed there) instead of copying it into its ring.
+_stable: dict[int, tuple[int, int]] = {}
+_stable_lock = threading.Lock()
+_stable_ids = itertools.count(1)
+
+
+def hold_stable(address: int, nbytes: int) -> int:
+    """Declare [address, address + nbytes) staged, unchanged until drop_stable(token): the token."""
+    token = next(_stable_ids)
+    with _stable_lock:
+        _stable[token] = (address, address + nbytes)
+    return token
+
+
+def drop_stable(token: int) -> None:
+    with _stable_lock:
+        _stable.pop(token, None)
+
+
+def is_stable(address: int, nbytes: int) -> bool:
+    """Whether [address, address + nbytes) lies in one region declared by hold_stable."""
+    with _stable_lock:
+        return any(a <= address and address + nbytes <= b for a, b in _stable.values())
 
 
 def pin_host(address: int, nbytes: int) -> Callable[[], None] | None:
