@@ -62,11 +62,12 @@ lint: $(STAMP) debs
 	$(BIN)/vermin $(VERMIN_ARGS) src components __main__.py
 	$(BIN)/vulture $(VULTURE_PATHS) --min-confidence 60
 
-# `make unit`: the fast subset a maintainer runs often (markers applied in tests/conftest.py);
+# `make unit`: the fast subset a maintainer runs often (markers applied in tests/conftest.py), on two
+# pytest-xdist workers;
 # `make test`: lint and every test (requeue aside, see below).
 UNIT_MARKS := not requeue and not slow and not benchmark and not network and not cluster
 unit: install
-	$(BIN)/pytest -m '$(UNIT_MARKS)' $(PYTEST_ARGS)
+	$(BIN)/pytest -n 2 -m '$(UNIT_MARKS)' $(PYTEST_ARGS)
 
 test: install lint test-lowest
 	$(BIN)/pytest $(PYTEST_ARGS)
