@@ -51,17 +51,26 @@ install: $(STAMP) $(AZURITE) debs
 SHELL_SCRIPTS := $(wildcard scripts/*.sh scripts/lib/*.sh)
 # requires-python is >=3.10: the program and the toolkit must not need a newer Python (vermin, 3.10 floor).
 VERMIN_ARGS = --target=3.10- --no-tips --violations --eval-annotations -q
+# Dead code: everything is scanned so a name used only by tests or benchmarks counts as used;
+# vulture_whitelist.py lists what only a framework calls.
+VULTURE_PATHS = src components __main__.py tests benchmarks examples vulture_whitelist.py
 lint: $(STAMP) debs
 	shellcheck -x $(SHELL_SCRIPTS)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	PYTHONPATH=src:. $(BIN)/lint-imports
 	$(BIN)/vermin $(VERMIN_ARGS) src components __main__.py
+	$(BIN)/vulture $(VULTURE_PATHS) --min-confidence 60
 
+# `make unit`: the fast subset a maintainer runs often (markers applied in tests/conftest.py), on two
+# pytest-xdist workers;
+# `make test`: lint and every test (requeue aside, see below).
+UNIT_MARKS := not requeue and not slow and not benchmark and not network and not cluster
 unit: install
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n 2 -m '$(UNIT_MARKS)' $(PYTEST_ARGS)
 
-test: install lint unit test-lowest
+test: install lint test-lowest
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 # The runtime dependencies at the lower bounds of their ranges (constraints-lowest.txt: numpy 1.26,
 # pydantic 2.9, ...), installed over the locked environment (--target, first on PYTHONPATH), with the

@@ -1,7 +1,8 @@
 """Stack settings: one typed, validated object built from stack config before any resource exists.
 
 Pure Python (no Pulumi, no cloud). `SCHEMA` is the list of every `tiered:` config key with its type,
-default and description; Pulumi.yaml declares the same keys (a test keeps the two identical).
+default and description; Pulumi.yaml's config block is generated from it (`python -m components.settings
+--pulumi-yaml`; a test fails when the file is stale).
 Every problem is a SettingsError whose message names the key, the value and the fix.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tiered_ckpt.errors import UserError
 from tiered_ckpt.lifecycle.archive_retention import JOURNAL_PREFIX
 
 from . import cloud_init, oncalendar, sizing, subnets, vm_security
@@ -20,8 +22,8 @@ from . import cloud_init, oncalendar, sizing, subnets, vm_security
 NAMESPACE = "tiered"
 
 
-class SettingsError(Exception):
-    """Stack settings are invalid. `str(err)` is the whole message shown to the user: one line per problem,
+class SettingsError(UserError):
+    """Stack settings are invalid (a user error, exit code 2). `str(err)` is the whole message shown to the user: one line per problem,
     each naming the key, the value and the fix; `problems` holds the lines one by one."""
 
     def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
@@ -121,7 +123,7 @@ RESERVED_NAMES = ("root", "admin", "slurm", "munge", SERVICE_GROUP)
 
 @dataclass(frozen=True)
 class Key:
-    """One `tiered:` stack setting: Pulumi.yaml declares the same keys (a test keeps them identical)."""
+    """One `tiered:` stack setting; Pulumi.yaml's config block is generated from these (pulumi_yaml)."""
 
     name: str          # the stack config key (camelCase, under the `tiered:` namespace)
     field: str         # the Settings attribute
@@ -687,3 +689,41 @@ def check_sizing(s: Settings) -> sizing.Sizing:
     if problems:
         raise SettingsError.of(problems)
     return z
+
+
+# Pulumi.yaml's `config:` block is generated from SCHEMA (the one declaration of every key):
+# `python -m components.settings --pulumi-yaml` rewrites it; tests fail when the file is stale.
+PULUMI_YAML_CONFIG_HEADER = (
+    "# Every setting of the program (namespace `tiered:`); any stack file overrides any key, e.g.\n"
+    "#   pulumi config set tiered:nodeCount 4 --stack prod\n"
+    "# Generated from components/settings.py (python -m components.settings --pulumi-yaml); do not edit.\n"
+)
+
+
+def pulumi_yaml_config() -> str:
+    """The `config:` block of Pulumi.yaml, from SCHEMA, with its header comment."""
+    import yaml
+
+    block = {k.name: {"type": k.type, "default": k.default, "description": k.description} for k in SCHEMA}
+    return PULUMI_YAML_CONFIG_HEADER + yaml.safe_dump({"config": block}, sort_keys=False, width=100_000,
+                                                      allow_unicode=True)
+
+
+def pulumi_yaml(current: str) -> str:
+    """Pulumi.yaml's text with its config block (and the comment above it) regenerated; the rest kept."""
+    lines = current.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith("config:"))
+    while start > 0 and lines[start - 1].startswith("#"):
+        start -= 1
+    return "".join(lines[:start]) + pulumi_yaml_config()
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    if sys.argv[1:] != ["--pulumi-yaml"]:
+        sys.exit("usage: python -m components.settings --pulumi-yaml   (rewrites Pulumi.yaml's config block)")
+    target = Path(__file__).resolve().parents[1] / "Pulumi.yaml"
+    target.write_text(pulumi_yaml(target.read_text()))
+    print(f"wrote {target}")

@@ -147,7 +147,8 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         sources = to_sources(flat)
         record = None
         if split:
-            assert structure is not None
+            if structure is None:       # flatten_state(tree=True) always returns one
+                raise RuntimeError("internal error: no structure tree for a save with replicated entries")
             sources, structure, record = writer.split_replicated(sources, structure, rep_keys, comm.rank,
                                                                  comm.world_size)
         background = False
@@ -221,6 +222,14 @@ def save(state: Mapping[str, Any], *, epoch: int | None = None, step: int | None
     configured and cannot be asked, the save is refused too (UnavailableError, nothing written),
     unless archive_check="best_effort": then it goes on with a warning (docs/io.md, "Names that
     already exist", says what that risks).
+
+    What else runs, on rank 0 after the commit: one line appended to the model's record
+    (`tiered-ckpt metrics`), and, when metrics.textfile is set, a daemon thread that rewrites the
+    node-exporter textfile: it lists the archive in Blob and, on AMLFS, runs `lfs hsm_state` and
+    reads the auto-export job through ARM (calls with their own retries). save() never waits for
+    it and its failures are logged, not raised; at interpreter exit an atexit hook waits for it
+    up to 30 s, so a script's last save reaches the textfile and an unreachable archive cannot
+    hold the exit longer.
     """
     called = time.monotonic()
     made: dict[str, Any] = {}
@@ -306,8 +315,8 @@ def _write_textfiles(cfg: config_mod.NodeConfig) -> None:
     while True:
         path = cfg.metrics.textfile
         try:
-            assert path is not None
-            metrics.write_textfile(cfg, make_backend(cfg), path)
+            if path is not None:
+                metrics.write_textfile(cfg, make_backend(cfg), path)
         except Exception as e:  # noqa: BLE001 - metrics are best effort; the save is committed
             log.warning("could not refresh the metrics textfile %s: %s", path, e,
                         extra=fields("metrics", model=cfg.model, outcome="error"))

@@ -28,9 +28,6 @@ from tiered_ckpt.redact import redact, redact_data
 FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error")
 LOGGER = "tiered_ckpt"
-# The structured fields of an operation record, in the order they are documented (README).
-FIELDS = ("model", "checkpoint", "operation", "duration_s", "bytes", "outcome")
-
 _state: dict[str, str] = {"format": "text"}
 
 

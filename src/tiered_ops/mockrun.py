@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from tiered_ckpt.errors import UserError
 from tiered_ops import PROJECT_ROOT as ROOT
 
 MOCK_SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
@@ -33,7 +34,7 @@ WAIT_TYPE = "pulumi-python:dynamic/tiered:WaitForBlobJobs"
 PREVIEW_SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPreviewOnlyPlaceholderNotARealKeyxxxxxxxxxx preview-placeholder"
 
 
-class PreviewError(Exception):
+class PreviewError(UserError):
     """The program refused the settings (the message is the program's own, e.g. a SettingsError)."""
 
 

@@ -28,7 +28,6 @@ from .test_infra_cloud_init import ROOT, _inputs, schema_check
 
 pytestmark = pytest.mark.timeout(120)
 NODE_ID, LOGIN_ID = "node-identity", "login-identity"
-TOOLKIT = b"the toolkit tarball is checked by sha256 only here"
 
 
 @pytest.fixture

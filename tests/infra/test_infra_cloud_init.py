@@ -189,11 +189,6 @@ def test_a_node_venv_from_the_tarball_runs_the_toolkit_without_the_demo_librarie
     assert "demo" not in r.stdout.split("positional arguments")[-1].split("options")[0]
 
 
-def _unit(text: str, path: str) -> str:
-    doc = yaml.safe_load(text)
-    return next(f["content"] for f in doc["write_files"] if f["path"] == path)
-
-
 @pytest.mark.parametrize("action", ["release", "delete"])
 def test_retention_runs_as_an_unprivileged_user_owning_nothing_but_the_shared_group(action: str, tmp_path: Path) -> None:
     """The retention units as the login VM's boot leaves them: the unit from scripts/systemd plus the drop-in

@@ -4,6 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from azure.storage.blob import ContainerClient
+
+from tests.lifecycle.helpers import amlfs_cfg
+from tiered_ckpt.tiers.blob import BlobStore
 
 
 @pytest.fixture
@@ -16,3 +20,13 @@ def fake_lfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("FAKE_LFS_DEFAULT_FLAGS", raising=False)
     monkeypatch.delenv("FAKE_LFS_COST", raising=False)
     return count
+
+
+@pytest.fixture
+def aml(tmp_path: Path, azurite_container: tuple[str, str], fake_lfs: Path):
+    conn, container = azurite_container
+    root = tmp_path / "lustrefs" / "checkpoints"
+    root.mkdir(parents=True)
+    cfg = amlfs_cfg(root, conn, container, batch=4, keep_last=1, min_keep=1)
+    store = BlobStore(cfg.archive, backoff=0.01)
+    return cfg, store, ContainerClient.from_connection_string(conn, container), fake_lfs

@@ -3,12 +3,15 @@ the fake lfs environment."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig
 from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.tiers.backends import AmlfsBackend
+from tiered_ckpt.tiers.blob import BlobStore
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_LFS = REPO / "tests" / "doubles" / "bin" / "lfs"
@@ -59,3 +62,35 @@ def lfs_calls(count_file: Path, command: str | None = None) -> int:
         return 0
     lines = count_file.read_text().splitlines()
     return sum(1 for line in lines if command is None or line.split()[1] == command)
+
+
+def auto_export(root: str, store: BlobStore | None) -> None:
+    """What AMLFS auto-export does for files under root: copy to Blob, then mark archived."""
+    paths = [str(p) for p in Path(root).rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(root).parts)]
+    if store is not None:
+        for p in paths:
+            store.upload_file(p, Path(p).relative_to(root).as_posix())
+    subprocess.run([str(FAKE_LFS), "hsm_archive", *paths], check=True)
+
+
+def backend_of(cfg, store, **kw) -> AmlfsBackend:
+    return AmlfsBackend(cfg, store, poll=0.01, **kw)
+
+
+def import_hook(cfg, store: BlobStore):
+    """What an AMLFS import does: blobs under the prefix appear on Lustre as released stubs."""
+
+    def hook(prefixes: list[str], mode: str):
+        n = 0
+        for prefix in prefixes:
+            rel_prefix = prefix.strip("/")[len(cfg.archive.prefix) + 1:]
+            for rel in store.listing(rel_prefix):
+                dest = Path(cfg.root) / rel
+                if not dest.exists():
+                    store.download_file(rel, str(dest))
+                    subprocess.run([str(FAKE_LFS), "hsm_archive", str(dest)], check=True)
+                    subprocess.run([str(FAKE_LFS), "hsm_release", str(dest)], check=True)
+                n += 1
+        return n, n, 0
+
+    return hook

@@ -9,11 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from azure.storage.blob import ContainerClient
 
 from tests.doubles.arm_double import NODE_TOKEN, OPERATOR_TOKEN
 from tests.doubles.arm_fixtures import use_identity
-from tests.lifecycle.helpers import FAKE_LFS, amlfs_cfg, lfs_calls, make_checkpoint
+from tests.lifecycle.helpers import FAKE_LFS, amlfs_cfg, auto_export, backend_of, import_hook, lfs_calls, make_checkpoint
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.config import dump
 from tiered_ckpt.errors import UnavailableError
@@ -22,32 +21,8 @@ from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.proof import prove
 from tiered_ckpt.lifecycle.restore import restore
 from tiered_ckpt.lifecycle.status import gather
-from tiered_ckpt.tiers.backends import AmlfsBackend
 from tiered_ckpt.tiers.blob import BlobStore
 from tiered_ckpt.tiers.hsm import Lfs
-
-
-def auto_export(root: str, store: BlobStore | None) -> None:
-    """What AMLFS auto-export does for files under root: copy to Blob, then mark archived."""
-    paths = [str(p) for p in Path(root).rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(root).parts)]
-    if store is not None:
-        for p in paths:
-            store.upload_file(p, Path(p).relative_to(root).as_posix())
-    subprocess.run([str(FAKE_LFS), "hsm_archive", *paths], check=True)
-
-
-@pytest.fixture
-def aml(tmp_path: Path, azurite_container: tuple[str, str], fake_lfs: Path):
-    conn, container = azurite_container
-    root = tmp_path / "lustrefs" / "checkpoints"
-    root.mkdir(parents=True)
-    cfg = amlfs_cfg(root, conn, container, batch=4, keep_last=1, min_keep=1)
-    store = BlobStore(cfg.archive, backoff=0.01)
-    return cfg, store, ContainerClient.from_connection_string(conn, container), fake_lfs
-
-
-def backend_of(cfg, store, **kw) -> AmlfsBackend:
-    return AmlfsBackend(cfg, store, poll=0.01, **kw)
 
 
 def test_proof_is_batched_and_needs_lfs_and_blob(aml) -> None:
@@ -115,25 +90,6 @@ def test_release_then_restore_released_with_hsm_restore(aml, monkeypatch: pytest
     assert not any(s.released for s in states.values())
 
 
-def _import_hook(cfg, store: BlobStore):
-    """What an AMLFS import does: blobs under the prefix appear on Lustre as released stubs."""
-
-    def hook(prefixes: list[str], mode: str):
-        n = 0
-        for prefix in prefixes:
-            rel_prefix = prefix.strip("/")[len(cfg.archive.prefix) + 1:]
-            for rel in store.listing(rel_prefix):
-                dest = Path(cfg.root) / rel
-                if not dest.exists():
-                    store.download_file(rel, str(dest))
-                    subprocess.run([str(FAKE_LFS), "hsm_archive", str(dest)], check=True)
-                    subprocess.run([str(FAKE_LFS), "hsm_release", str(dest)], check=True)
-                n += 1
-        return n, n, 0
-
-    return hook
-
-
 @pytest.mark.parametrize("token", [NODE_TOKEN, OPERATOR_TOKEN], ids=["node-identity", "operator"])
 def test_restore_deleted_checkpoint_through_an_import_job(aml, arm_env, capsys, monkeypatch, token) -> None:
     # Retention, restore and status with the node's managed identity (the roles the program
@@ -146,7 +102,7 @@ def test_restore_deleted_checkpoint_through_an_import_job(aml, arm_env, capsys, 
     auto_export(cfg.root, store)
     backend = backend_of(cfg, store)
     assert ret.apply(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).done == ["delete global_epoch0_step10"]
-    arm_env.scenario.import_hook = _import_hook(cfg, store)
+    arm_env.scenario.import_hook = import_hook(cfg, store)
     r = restore(cfg, backend, "global_epoch0_step10", verify=True)
     assert r.source == "archive" and mf.find(cfg.root, "m", r.name).committed  # type: ignore[union-attr]
     jobs = list(arm_env.import_jobs().values())

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from azure.storage.blob import ContainerClient
 
-from tests.lifecycle.helpers import local_cfg, make_checkpoint
-from tests.lifecycle.test_lifecycle_amlfs import _import_hook, aml, auto_export, backend_of  # noqa: F401
+from tests.lifecycle.helpers import auto_export, backend_of, import_hook, local_cfg, make_checkpoint
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.config import dump
 from tiered_ckpt.errors import IntegrityError, UserError
@@ -196,7 +195,7 @@ def test_amlfs_import_of_a_damaged_archive_is_refused_and_its_marker_removed(aml
     assert ret.apply(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).done == [f"delete {NAME}"]
     size = cc.get_blob_client(f"{PREFIX}/rank0_shard1.bin").get_blob_properties().size
     cc.upload_blob(f"{PREFIX}/rank0_shard1.bin", bytes(size), overwrite=True)      # same size, zeros
-    arm_env.scenario.import_hook = _import_hook(cfg, store)
+    arm_env.scenario.import_hook = import_hook(cfg, store)
     with pytest.raises(IntegrityError, match=r"rank0_shard1\.bin.*archive copy itself is damaged"):
         restore(cfg, backend, NAME)                                 # no --verify
     assert (ckpt_dir(cfg) / "rank0_shard0.bin").exists()              # the import did bring the files...

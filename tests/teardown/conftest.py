@@ -247,3 +247,14 @@ def now() -> datetime:
 
 def later(seconds: float = 60) -> datetime:
     return now() + timedelta(seconds=seconds)
+
+
+def archived_ckpts(env: Env, n: int = 2) -> list[str]:
+    """n committed checkpoints on 'Lustre', all exported, auto-export caught up after them."""
+    names = []
+    for i in range(1, n + 1):
+        d = env.write_ckpt(1, 10 * i)
+        env.archive(d)
+        names.append(f"llama/{d.name}")
+    env.last_success(later())
+    return names

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta, timezone
 
-from .conftest import STACK, Env
-from .test_teardown import archived_ckpts
+from .conftest import STACK, Env, archived_ckpts
 
 
 def _set_config(env: Env, **cfg: str) -> None:

@@ -11,20 +11,9 @@ from datetime import timedelta
 
 import pytest
 
-from .conftest import ACCOUNT, STACK, Env, later, now
+from .conftest import ACCOUNT, STACK, Env, archived_ckpts, later, now
 
 COME_BACK = f"pulumi config set tiered:computeEnabled true --stack {STACK} && pulumi up --stack {STACK}"
-
-
-def archived_ckpts(env: Env, n: int = 2) -> list[str]:
-    """n committed checkpoints on 'Lustre', all exported, auto-export caught up after them."""
-    names = []
-    for i in range(1, n + 1):
-        d = env.write_ckpt(1, 10 * i)
-        env.archive(d)
-        names.append(f"llama/{d.name}")
-    env.last_success(later())
-    return names
 
 
 def test_gate_passes_then_disable_config_up_in_order_and_prints_how_to_come_back(env: Env) -> None:

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torch") is None, reas
 
 RANK = r"""
 import json, os, sys
+from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -28,7 +29,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from tiered_ckpt.dcp import TieredReader, TieredWriter
 from tiered_ckpt.dcp_stage import TieredStager
 mode, root, store, rank, world = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+# A short timeout: a failing rank's partner fails within a minute, not after gloo's default 30.
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
 
 def state(seed):
     g = torch.Generator().manual_seed(seed)

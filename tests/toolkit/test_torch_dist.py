@@ -17,13 +17,15 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reaso
 
 RANK = r"""
 import json, sys
+from datetime import timedelta
 import torch
 import torch.distributed as dist
 import tiered_ckpt as tc
 from tiered_ckpt.config import IoConfig, NodeConfig
 from tiered_ckpt.errors import UserError
 root, store, rank, bad = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+# A short timeout: a failing rank's partner fails within a minute, not after gloo's default 30.
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
 cfg = NodeConfig(root=root, model="m", io=IoConfig(threads=2, files_per_rank=2, block_size=64 << 10, staging_bytes=1 << 20))
 out = {}
 try:

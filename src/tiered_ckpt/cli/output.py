@@ -95,12 +95,6 @@ def print_error(message: str, *, as_json: bool = False, exit_code: int = 1) -> N
         stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
 
 
-def write_err(text: str) -> None:
-    """Plain text to stderr (no markup, no wrapping), redacted."""
-    sys.stderr.write(redact(text))
-    sys.stderr.flush()
-
-
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     t = Table(title=redact(title), title_justify="left")
     for c in columns:

@@ -160,14 +160,6 @@ def is_real_dir(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def is_regular(path: str | os.PathLike[str]) -> bool:
-    """A regular file and not a symlink to one."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
 def open_file(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o644, *,
               anchor: str | os.PathLike[str] | None = None, dir_fd: int | None = None) -> int:
     """Open a regular file in the tree (see the module doc); UnsafePath for anything else.

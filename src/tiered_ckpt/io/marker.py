@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from tiered_ckpt.errors import IntegrityError
 from tiered_ckpt.io.hashing import ALGORITHM
 from tiered_ckpt.io.layout import SAVE_ID as _SAVE_ID
 from tiered_ckpt.io.nested import check_tree
@@ -65,8 +66,9 @@ _FILE_KEYS = {"path", "size", "hash", "rank"}
 _BUFFER_KEYS = {"kind", "dtype", "shape", "nbytes", "segments"}
 
 
-class InvalidMarker(ValueError):
-    """A marker that is not a valid manifest; str(err) says why (one line)."""
+class InvalidMarker(IntegrityError, ValueError):
+    """A marker that is not a valid manifest; str(err) says why (one line). An IntegrityError (exit
+    code 1) like every damaged checkpoint; still a ValueError for callers that catch that."""
 
 
 class InvalidIndex(InvalidMarker):

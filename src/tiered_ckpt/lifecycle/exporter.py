@@ -141,11 +141,6 @@ def walk_tree(top: Path) -> tuple[dict[str, os.stat_result], list[str]]:
     return out, failed
 
 
-def regular_files(top: Path) -> dict[str, os.stat_result]:
-    """The regular files of walk_tree(top), without the list of what could not be read."""
-    return walk_tree(top)[0]
-
-
 class _Changed(Exception):
     """The file at a discovered path is no longer the file that was discovered."""
 
