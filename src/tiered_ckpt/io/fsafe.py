@@ -319,14 +319,20 @@ def replace_own(path: str | os.PathLike[str], data: bytes, mode: int = FILE_MODE
             if not stat.S_ISREG(st.st_mode):
                 raise _refuse(p, kind(st.st_mode))
     tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = open_own(tmp, os.O_WRONLY | os.O_TRUNC, mode)
+    try:
+        fd = open_own(tmp, os.O_WRONLY | os.O_TRUNC, mode)
+    except OSError as e:
+        e.filename = str(tmp)       # the whole path in the user's message, not the name under its directory
+        raise
     try:
         os.ftruncate(fd, 0)
         write_all(fd, data)
         os.fsync(fd)
-    except BaseException:
+    except BaseException as e:
         os.close(fd)
         unlink(tmp)
+        if isinstance(e, OSError):
+            e.filename = str(tmp)
         raise
     os.close(fd)
     os.replace(tmp, p)
