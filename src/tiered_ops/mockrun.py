@@ -208,7 +208,9 @@ def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str],
     class Mocks(pulumi.runtime.Mocks):
         def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str | None, dict]:
             rid, state = _mock_state(args.typ, args.name, dict(args.inputs))
-            for rec in records.values():
+            # A snapshot: the engine registers further resources on other threads meanwhile
+            # ("dictionary changed size during iteration" under load).
+            for rec in list(records.values()):
                 if rec.type == args.typ and rec.name == args.name:
                     rec.id, rec.state = rid, state
             return rid, state
