@@ -352,7 +352,8 @@ def test_missing_pulumi_cli_is_one_clear_error(env: Env, monkeypatch: pytest.Mon
     monkeypatch.setenv("PATH", "/nonexistent")
     r = env.run("--dry-run")
     assert r.rc == 2
-    assert "pulumi CLI (pulumi) is not on PATH" in r.flat and "Traceback" not in r.flat
+    # One message, up front: what the dry run needs the CLI for, and the offline alternative.
+    assert "pulumi CLI, which is not on PATH" in r.flat and "make plan STACK=prod" in r.flat and "Traceback" not in r.flat
 
 
 def test_runs_as_a_program_the_way_make_calls_it(env: Env) -> None:
