@@ -9,11 +9,13 @@ resource type token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
+import pickle
 import runpy
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +197,26 @@ def _mock_state(typ: str, logical: str, inputs: dict[str, Any]) -> tuple[str, di
     return _arm_id(typ, name, inputs), state
 
 
+@contextlib.contextmanager
+def _pickler_restored() -> Iterator[None]:
+    """Put back the pure-Python pickler's methods that pulumi's dynamic provider serializer patches.
+
+    pulumi.dynamic.dynamic.serialize_provider wraps `pickle._Pickler._batch_setitems` in a sorting
+    wrapper on every call and never unwraps it (pulumi/pulumi#17803). One `pulumi up` calls it once
+    per dynamic resource; a process that runs the program many times (the test suite, `make plan`
+    for several stacks) nests the wrappers until pickling hits RecursionError.
+    """
+    names = ("_batch_setitems", "save_dict")
+    saved = {n: pickle._Pickler.__dict__[n] for n in names}
+    pickler = pickle.Pickler
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(pickle._Pickler, n, v)
+        pickle.Pickler = pickler  # type: ignore[misc]
+
+
 def _run_in_fresh_context(main: Path, stack: str, config: dict[str, str],
                           invokes: list[tuple[str, dict[str, Any]]]) -> tuple[list[Res], dict[str, Any]]:
     import pulumi
@@ -275,7 +297,8 @@ def run(stack: str, overrides: Mapping[str, str] | None = None, *, main: Path = 
                      f"`pulumi up` needs yours: pulumi config set {ns}:sshPublicKey \"$(cat ~/.ssh/id_ed25519.pub)\"")
     invokes: list[tuple[str, dict[str, Any]]] = []
     try:
-        resources, outputs = contextvars.Context().run(_run_in_fresh_context, main, stack, config, invokes)
+        with _pickler_restored():
+            resources, outputs = contextvars.Context().run(_run_in_fresh_context, main, stack, config, invokes)
     except pulumi.RunError as err:
         raise PreviewError(str(err)) from None
     return PreviewResult(stack=stack, config=config, resources=resources, outputs=outputs, notes=notes, invokes=invokes)

@@ -279,3 +279,14 @@ def test_stack_outputs_teardown_and_toolkit_rely_on(plan: Plan, stack: str) -> N
     assert o["storageAccountUrl"] == f"https://{acct.state['name']}.blob.core.windows.net/"
     assert o["checkpointPrefix"] == "/checkpoints" and o["computeEnabled"] is True
     assert set(o["sizing"]) >= {"provisioned_gbps", "commit_seconds", "archive_seconds", "archive_keeps_up", "resident_tib"}
+
+
+def test_running_the_program_leaves_the_pickler_as_it_found_it(plan: Plan) -> None:
+    # pulumi's dynamic-provider serializer wraps the pickler once per call and never unwraps it
+    # (pulumi/pulumi#17803); without the restore, the suite's hundredth run fails in RecursionError.
+    import pickle
+
+    before = pickle._Pickler.__dict__["_batch_setitems"]
+    p = plan("dev")
+    assert p.of_type("pulumi-python:dynamic/tiered:WaitForBlobJobs"), "the program serializes dynamic providers"
+    assert pickle._Pickler.__dict__["_batch_setitems"] is before
