@@ -107,7 +107,9 @@ def send_copy(info: mf.CheckpointInfo, dst: int, g: Any) -> int:
     """Send one committed copy to rank `dst`; the bytes sent."""
     assert info.manifest is not None
     listed = [(f.path, f.size) for f in info.manifest.files]
-    marker = fsafe.read_file(info.path / mf.MARKER, anchor=info.path.parent.parent)
+    marker = mf.marker_bytes(info.path, anchor=info.path.parent.parent)
+    if marker is None:      # removed since the scan: this copy is not committed any more
+        raise FileNotFoundError(f"{info.path / mf.MARKER}: removed since the scan")
     header = pickle.dumps({"name": info.name, "files": listed + [(mf.MARKER, len(marker))]})
     _send_bytes(header, dst, g)
     sent = 0

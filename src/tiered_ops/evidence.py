@@ -9,6 +9,7 @@ of their files, and, with --verify-content, the hash of every blob's downloaded 
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -108,7 +109,9 @@ def lustre_checkpoints(mount: Path, prefix: str, *, hash_unhashed: bool = False
             marker = info.path / mf.MARKER
             try:
                 st = os.lstat(marker)
-                data = fsafe.read_file(marker, anchor=root, limit=MARKER_LIMIT)
+                data = mf.marker_bytes(info.path, anchor=root)
+                if data is None:
+                    raise FileNotFoundError(errno.ENOENT, "no marker", str(marker))
             except OSError as e:      # deleted or replaced since the scan: not committed now
                 uncommitted.append(f"{model}/{info.name} (marker unreadable: {e.strerror or e})")
                 continue
@@ -124,8 +127,6 @@ def lustre_checkpoints(mount: Path, prefix: str, *, hash_unhashed: bool = False
                 hashes=tuple(hashes), marker_hash=hash_bytes(data)))
     return tuple(records), tuple(uncommitted)
 
-
-MARKER_LIMIT = 64 << 20     # a marker is a small JSON document; anything larger is not one
 
 
 def hash_bytes(data: bytes) -> str:

@@ -53,7 +53,7 @@ from tiered_ckpt.naming import CheckpointId, parse_in
 
 __all__ = ["FORMAT", "FORMAT_V1", "MARKER", "MAX_INDEX_BYTES", "MAX_MARKER_BYTES", "CheckpointInfo", "FileEntry",
            "InvalidIndex", "InvalidMarker", "Manifest", "RankIndex", "check_structure", "committed", "encode_part",
-           "find", "fsync_dir", "inspect", "latest_committed", "model_dir", "parse_index", "parse_marker",
+           "find", "fsync_dir", "inspect", "latest_committed", "marker_bytes", "model_dir", "parse_index", "parse_marker",
            "part_body", "part_header", "path_problem", "read_marker", "read_marker_checked", "remove_checkpoint",
            "require_root", "scan", "size_problems", "validate", "write_marker"]
 
@@ -152,6 +152,23 @@ def read_marker_checked(ckpt_dir: str | os.PathLike[str], *,
         return _read_marker_at(dfd, p.name)
     finally:
         os.close(dfd)
+
+
+def marker_bytes(ckpt_dir: str | os.PathLike[str], *, anchor: str | os.PathLike[str] | None = None) -> bytes | None:
+    """The marker's bytes as they are now, for callers that keep them as evidence (restore, retention,
+    teardown): a regular file, no symlink followed below `anchor`, at most MAX_MARKER_BYTES (the one
+    limit every reader applies, so no marker is committed for one command and absent for another).
+
+    None when there is none; OSError when it cannot be read (fsafe.UnsafePath: hostile or too large).
+    """
+    try:
+        return fsafe.read_file(Path(ckpt_dir) / MARKER, anchor=anchor, limit=MAX_MARKER_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ENOTDIR:
+            return None
+        raise
 
 
 def read_marker(ckpt_dir: str | os.PathLike[str], *, anchor: str | os.PathLike[str] | None = None) -> Manifest | None:

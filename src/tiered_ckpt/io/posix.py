@@ -96,14 +96,14 @@ def write_small(dfd: int, name: str, data: bytes) -> None:
         os.close(fd)
 
 
-def read_small(dfd: int, name: str) -> bytes | None:
-    """A small regular file of the directory `dfd` (None if absent, not regular, or too large)."""
+def read_small(dfd: int, name: str, limit: int = _SMALL_LIMIT) -> bytes | None:
+    """A small regular file of the directory `dfd` (None if absent, not regular, or over `limit`)."""
     try:
         fd = fsafe.open_file(name, dir_fd=dfd)
     except OSError:
         return None
     try:
-        return fsafe.read_fd(fd, _SMALL_LIMIT)
+        return fsafe.read_fd(fd, limit)
     except OSError:
         return None
     finally:

@@ -42,7 +42,7 @@ from tiered_ckpt.naming import CheckpointId
 
 def valid_marker(dfd: int, cid: CheckpointId) -> mf.Manifest | None:
     """The marker of the directory `dfd` if it is valid and of checkpoint `cid`, else None."""
-    data = read_small(dfd, mf.MARKER)
+    data = read_small(dfd, mf.MARKER, mf.MAX_MARKER_BYTES)
     if data is None:
         return None
     try:
@@ -95,7 +95,7 @@ def write_part(dfd: int, rank: int, save_id: str, data: bytes, *, replace: bool 
 
 def listed(dfd: int) -> set[str]:
     """Files a valid marker in the directory lists (any save's): clean-up never removes one."""
-    data = read_small(dfd, mf.MARKER)
+    data = read_small(dfd, mf.MARKER, mf.MAX_MARKER_BYTES)
     if data is None:
         return set()
     try:
@@ -149,7 +149,7 @@ def note_failure(root: Path, model: str, cid: CheckpointId, rank: int, world_siz
             finally:
                 os.close(mfd)
         try:
-            m = mf.Manifest.from_json(read_small(dfd, mf.MARKER) or b"")
+            m = mf.Manifest.from_json(read_small(dfd, mf.MARKER, mf.MAX_MARKER_BYTES) or b"")
             if m.id == cid:
                 return
         except ValueError:

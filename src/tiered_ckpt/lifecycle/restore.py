@@ -31,7 +31,6 @@ turns into a progress bar (cli/lifecycle.py) and a test or a caller may use as i
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -59,7 +58,6 @@ from tiered_ckpt.tiers.backends import TierBackend, archive_damaged, ensure_dir,
 from tiered_ckpt.tiers.blob import BlobInfo, BlobStore, archived_markers
 
 DEFAULT_LOCK_WAIT = 600.0     # seconds a restore waits for another actor on the same checkpoint
-MARKER_LIMIT = 64 << 20       # a marker larger than this is not one of ours
 
 # (what, bytes done, bytes total): `what` names the step and the checkpoint, e.g.
 # "restore global_epoch0_step30" (download or import) or "hsm_restore global_epoch0_step30"
@@ -153,39 +151,6 @@ def archive_committed(store: BlobStore, model: str, listing: Mapping[str, BlobIn
     return sorted((f.manifest for f in _archive_found(store, model, blobs, naming).values()), key=lambda m: m.id)
 
 
-def _read_marker(root: Path, ckpt_dir: Path) -> bytes | None:
-    """The marker's bytes (regular file, no symlink followed), None if there is none."""
-    try:
-        return fsafe.read_file(ckpt_dir / mf.MARKER, anchor=root, limit=MARKER_LIMIT)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno == errno.ENOTDIR:
-            return None
-        raise
-
-
-def _size_problems(root: Path, ckpt_dir: Path, m: mf.Manifest) -> list[str]:
-    problems = []
-    for f in m.files:
-        p = ckpt_dir / f.path
-        try:
-            fd = fsafe.open_file(p, anchor=root)
-        except FileNotFoundError:
-            problems.append(f"{p}: missing")
-            continue
-        except fsafe.UnsafePath as e:
-            problems.append(f"{p}: {e.strerror}")
-            continue
-        try:
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if size != f.size:
-            problems.append(f"{p}: {size} bytes, manifest says {f.size}")
-    return problems
-
-
 def _local_found(cfg: NodeConfig, name: str) -> Found | None:
     """Checkpoint `name` if committed on the accelerator layer (marker valid, sizes right)."""
     root = Path(cfg.root)
@@ -193,13 +158,13 @@ def _local_found(cfg: NodeConfig, name: str) -> Found | None:
     if not fsafe.is_real_dir(d):
         return None
     try:
-        data = _read_marker(root, d)
+        data = mf.marker_bytes(d, anchor=root)
         if data is None:
             return None
         m = mf.parse_marker(data, name)    # epoch/step must be those of the directory's name
     except (OSError, ValueError):
         return None
-    if m.naming != cfg.naming or m.name != name or not m.files or _size_problems(root, d, m):
+    if m.naming != cfg.naming or m.name != name or not m.files or mf.size_problems(d, m, anchor=root):
         return None
     return Found(m, "accelerator", data)
 
@@ -448,7 +413,7 @@ def _in_place(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir: Pat
     m = found.manifest
     paths = [str(ckpt_dir / f.path) for f in m.files]
     prefetched = backend.prefetch(paths, _Bytes(progress, f"hsm_restore {m.name}", m.total_bytes).advance)
-    problems = _size_problems(root, ckpt_dir, m)
+    problems = mf.size_problems(ckpt_dir, m, anchor=root)
     if problems:
         raise IntegrityError(f"checkpoint {m.name}: {problems[0]}")
     from_archive = set(prefetched)
@@ -532,11 +497,11 @@ def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir:
             # The local side of a download (ENOSPC, EACCES, ...): the blob store only turns the
             # archive's own errors into UserErrors. No marker yet, so nothing looks restored.
             raise os_error(e, e.filename or ckpt_dir) from None
-        problems = _size_problems(root, ckpt_dir, m)
+        problems = mf.size_problems(ckpt_dir, m, anchor=root)
         if problems:
             raise IntegrityError(f"restored checkpoint {m.name} is incomplete: {problems[0]}; re-run restore")
         marker = ckpt_dir / mf.MARKER
-        present = _read_marker(root, ckpt_dir)           # AMLFS imports bring the marker themselves
+        present = mf.marker_bytes(ckpt_dir, anchor=root)           # AMLFS imports bring the marker themselves
         if present is None:
             try:
                 fsafe.write_file(marker, found.marker, exclusive=True, anchor=root)

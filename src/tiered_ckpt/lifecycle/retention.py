@@ -144,7 +144,7 @@ def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, Checkp
 def _marker_bytes(root: str | os.PathLike[str], ckpt_dir: Path) -> bytes | None:
     """The marker's bytes as they are now (no symlink followed); None if absent or unreadable."""
     try:
-        return fsafe.read_file(ckpt_dir / mf.MARKER, anchor=root, limit=64 << 20)
+        return mf.marker_bytes(ckpt_dir, anchor=root)
     except OSError:
         return None
 
