@@ -9,7 +9,8 @@ from azure.storage.blob import ContainerClient
 
 from tests.lifecycle.helpers import local_cfg, make_checkpoint
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER, MAX_MARKER_BYTES
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.restore import choose
@@ -24,7 +25,7 @@ LARGE = (65 << 20)
 
 def _pad(ckpt_dir: Path, size: int) -> None:
     """Grow the marker to `size` bytes with JSON whitespace: the same document, still valid."""
-    p = ckpt_dir / mf.MARKER
+    p = ckpt_dir / MARKER
     data = p.read_bytes()
     p.write_bytes(data + b" " * (size - len(data)))
 
@@ -43,7 +44,7 @@ def test_a_large_marker_is_committed_for_every_reader(env, tmp_path: Path) -> No
     big = make_checkpoint(cfg.root, "m", 0, 10)
     make_checkpoint(cfg.root, "m", 0, 20)
     _pad(big, LARGE)
-    assert mf.find(cfg.root, "m", big.name).committed          # type: ignore[union-attr]
+    assert commit.find(cfg.root, "m", big.name).committed          # type: ignore[union-attr]
     backend = LocalBackend(cfg, store)
     # restore finds it on the accelerator layer (nothing is in the archive yet)
     assert choose(cfg, backend, big.name).where == "accelerator"
@@ -59,8 +60,8 @@ def test_a_large_marker_is_committed_for_every_reader(env, tmp_path: Path) -> No
 def test_a_marker_over_the_limit_is_not_committed_for_any_reader(env, tmp_path: Path) -> None:
     cfg, store, _ = env
     big = make_checkpoint(cfg.root, "m", 0, 10)
-    _pad(big, mf.MAX_MARKER_BYTES + 1)
-    info = mf.find(cfg.root, "m", big.name)
+    _pad(big, MAX_MARKER_BYTES + 1)
+    info = commit.find(cfg.root, "m", big.name)
     assert info is not None and not info.committed and "larger than" in (info.why_not_committed or "")
     with pytest.raises(UserError):
         choose(cfg, LocalBackend(cfg, store), big.name)
