@@ -80,7 +80,7 @@ from tiered_ckpt import dcp_pickle, dcp_stage, records
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.config import load as load_config
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
-from tiered_ckpt.io import commit, fill, fsafe, lock, pools
+from tiered_ckpt.io import commit, fill, fsafe, lock, mounts, pools
 from tiered_ckpt.io.claim import Claim
 from tiered_ckpt.io.fill import Pieces
 from tiered_ckpt.io.hashing import hash_path, new_hasher
@@ -279,7 +279,10 @@ class TieredWriter(StorageWriter):
                  checkpoint_id: str | os.PathLike[str] | None = None,
                  archive_check: str = "required") -> None:
         super().__init__()
-        self.archive: ArchiveConfig = (config if config is not None else load_config()).archive
+        node = config if config is not None else load_config()
+        self.archive: ArchiveConfig = node.archive
+        # A node config file that says amlfs: a root created here must be on Lustre (_make_root).
+        self._lustre = node.backend == "amlfs" and node.source is not None
         self.archive_check = reuse.require_archive_check(archive_check)
         self.naming = config.naming if config is not None else DEFAULT_NAMING
         self._bound = True
@@ -364,7 +367,7 @@ class TieredWriter(StorageWriter):
         failed: BaseException | None = None
         if self.is_coordinator:
             try:
-                _make_root(self.root)
+                _make_root(self.root, self._lustre)
                 self._claim_name()
             except BaseException as e:  # noqa: BLE001 - raised below, after the others heard of it
                 failed = e
@@ -569,8 +572,16 @@ class TieredWriter(StorageWriter):
         return results
 
 
-def _make_root(root: Path) -> None:
-    """The checkpoint root, created like FileSystemWriter creates its directory (parents too)."""
+def _make_root(root: Path, lustre: bool) -> None:
+    """The checkpoint root, created like FileSystemWriter creates its directory (parents too);
+    with `lustre` (the node config says backend amlfs) only on a Lustre mount."""
+    m = mounts.not_lustre(root) if lustre and not root.exists() else None
+    if m is not None:
+        raise UserError(f"checkpoint root {root} does not exist, and creating it would put it on {m.point} "
+                        f"({m.fstype}), not on Lustre: the node config says backend: amlfs, so checkpoints "
+                        "there would never be archived. Mount the AMLFS file system (the node boot mounts it; "
+                        "check with findmnt -t lustre), or pass a root on it, or set backend: local for a "
+                        "directory of this machine")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
