@@ -225,6 +225,22 @@ def _valid_id(checkpoint_id: Any) -> bool:
     return True
 
 
+def _which(root: str | os.PathLike[str] | None, model: str | None, name: str | None, epoch: int | None,
+           step: int | None, config: NodeConfig | None, checkpoint_id: str | os.PathLike[str] | None,
+           ) -> tuple[str, Path, str, CheckpointId, bool]:
+    """(naming, root, model, id, bound) of the checkpoint a TieredWriter or TieredReader is given.
+
+    Given nothing, it is unbound: dcp.save/load(storage_writer=TieredWriter(), checkpoint_id=path)
+    binds it later (reset)."""
+    naming = config.naming if config is not None else DEFAULT_NAMING
+    if checkpoint_id is not None:
+        return (naming, *parse_checkpoint_id(checkpoint_id, naming), True)
+    if root is None and model is None and config is None and name is None and step is None:
+        return naming, Path(), "", make_id(0, 0), False
+    r, m = _resolve(root, model, config)
+    return naming, r, m, _cid(name, epoch, step, naming), True
+
+
 def _cid(name: str | None, epoch: int | None, step: int | None, naming: str = DEFAULT_NAMING) -> CheckpointId:
     """The checkpoint's id in the model's `naming:` scheme (step alone for the step-only schemes)."""
     if name is not None:
@@ -284,16 +300,8 @@ class TieredWriter(StorageWriter):
         # A node config file that says amlfs: a root created here must be on Lustre (_make_root).
         self._lustre = node.backend == "amlfs" and node.source is not None
         self.archive_check = reuse.require_archive_check(archive_check)
-        self.naming = config.naming if config is not None else DEFAULT_NAMING
-        self._bound = True
-        if checkpoint_id is not None:
-            self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
-        elif root is None and model is None and config is None and name is None and step is None:
-            # Bound later by dcp.save(storage_writer=TieredWriter(), checkpoint_id=path) (reset).
-            self.root, self.model, self.cid, self._bound = Path(), "", make_id(0, 0), False
-        else:
-            self.root, self.model = _resolve(root, model, config)
-            self.cid = _cid(name, epoch, step, self.naming)
+        self.naming, self.root, self.model, self.cid, self._bound = _which(
+            root, model, name, epoch, step, config, checkpoint_id)
         self.use_collectives = True
         iocfg = config.io if config is not None else IoConfig()
         options = options if options is not None else IoOptions()
@@ -675,15 +683,8 @@ class TieredReader(StorageReader):
                  config: NodeConfig | None = None, verify_hash: bool = False,
                  checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
-        self.naming = config.naming if config is not None else DEFAULT_NAMING
-        self._bound = True
-        if checkpoint_id is not None:
-            self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
-        elif root is None and model is None and config is None and name is None and step is None:
-            self.root, self.model, self.cid, self._bound = Path(), "", make_id(0, 0), False
-        else:
-            self.root, self.model = _resolve(root, model, config)
-            self.cid = _cid(name, epoch, step, self.naming)
+        self.naming, self.root, self.model, self.cid, self._bound = _which(
+            root, model, name, epoch, step, config, checkpoint_id)
         self.verify_hash = verify_hash
         self.io = config.io if config is not None else IoConfig()    # reader threads, block size, O_DIRECT
         self.storage_data: dict[MetadataIndex, _Stored] = {}
