@@ -72,7 +72,7 @@ class TrainingState:
     step: int
     extra: dict[str, Any] | None = None    # load: this rank's saved extras (None when none were saved)
     # Where this rank's state went / came from: memory (this node's RAM), peer (the replica another
-    # node held) or lustre (the checkpoint root, restored from the archive first when only it held it).
+    # node held), lustre (the checkpoint root) or archive (Blob: restored to the root, then loaded).
     tier: str = "lustre"
 
 
@@ -165,15 +165,19 @@ def latest_checkpoint(config: config_mod.NodeConfig | None = None, *, name: str 
     the process group's timeout), and every rank gets the same name. Use it before a plain
     `dcp.load(state, storage_reader=TieredReader(config=cfg, name=...))`; load_training calls it.
     """
-    cfg = _cfg(config, root, model_name)
+    return _resume(_cfg(config, root, model_name), name)[0]
+
+
+def _resume(cfg: config_mod.NodeConfig, name: str | None) -> tuple[str | None, str]:
+    """latest_checkpoint's (name, where it came from: lustre or archive), the same on every rank."""
     rank, world = _rank_world()
     picked: list[Any] = [None]
     if rank == 0:
-        from tiered_ckpt.lifecycle.restore import resume_point
+        from tiered_ckpt.lifecycle.restore import resume_from
         from tiered_ckpt.tiers.backends import make_backend
 
         try:
-            picked[0] = resume_point(cfg, make_backend(cfg), name)
+            picked[0] = resume_from(cfg, make_backend(cfg), name)
         except UserError as e:
             picked[0] = e
     if world > 1:
@@ -182,7 +186,8 @@ def latest_checkpoint(config: config_mod.NodeConfig | None = None, *, name: str 
         dist.broadcast_object_list(picked, src=0)
     if isinstance(picked[0], UserError):
         raise type(picked[0])(str(picked[0]), exit_code=picked[0].exit_code)
-    assert picked[0] is None or isinstance(picked[0], str)
+    if not isinstance(picked[0], tuple):
+        raise RuntimeError(f"rank 0 answered {picked[0]!r} for the checkpoint to resume")
     return picked[0]
 
 
@@ -230,13 +235,14 @@ def load_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         if epoch is None and scheme(cfg.naming).has_epoch:
             raise UserError(f"load_training: pass epoch= with step= (naming {cfg.naming!r} has an epoch), or name=")
         name = make_id(epoch or 0, step, cfg.naming).name
-    name = latest_checkpoint(cfg, name=name)
+    name, source = _resume(cfg, name)
     if name is None:
         return None
     reader = TieredReader(cfg.root, cfg.model, name=name, config=cfg,
                           verify_hash=verify_hash)
-    return _load_into(model, optimizer, scheduler, reader, cfg, no_dist=not _initialised(),
-                      new_rank_extras=new_rank_extras)
+    st = _load_into(model, optimizer, scheduler, reader, cfg, no_dist=not _initialised(),
+                    new_rank_extras=new_rank_extras)
+    return replace(st, tier=source)
 
 
 def _load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,

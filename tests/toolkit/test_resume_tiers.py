@@ -33,7 +33,7 @@ if A["mode"] == "save":
 else:
     st = load_training(m, opt, config=cfg, new_rank_extras=A.get("extras", "rank0"))
     report(none=st is None, name=None if st is None else st.name, extra=None if st is None else st.extra,
-           w=m.weight.detach().flatten().tolist())
+           tier=None if st is None else st.tier, w=m.weight.detach().flatten().tolist())
 leave()
 """
 
@@ -63,6 +63,7 @@ def test_first_start_is_nothing_to_resume_then_the_archive_only_checkpoint_is_re
     assert [r.out["name"] for r in loaded] == ["global_epoch0_step20"] * 2       # not step 0, not step 10
     assert [r.out["w"] for r in loaded] == [r.out["w"] for r in saved]           # the saved weights, bit-exact
     assert [r.out["extra"] for r in loaded] == [{"rank": 0}, {"rank": 1}]
+    assert [r.out["tier"] for r in loaded] == ["archive"] * 2                  # every rank says where from
     assert (root / "m" / "global_epoch0_step20" / "COMMITTED.json").is_file()
     # Exactly one download: rank 0 restored, rank 1 waited for its answer.
     rec = records.read(str(root), "m", records.RESTORE)
@@ -82,6 +83,8 @@ def test_the_newer_archive_checkpoint_wins_over_an_older_local_one_and_new_ranks
     (a, b) = gloo_ranks.run(BODY, 2, tmp_path / "s2", mode="load", **args)
     assert a.out["name"] == b.out["name"] == "global_epoch0_step20"
     assert a.out["extra"] == b.out["extra"] == {"rank": 0}
+    assert a.out["tier"] == b.out["tier"] == "archive"
     assert "saved by fewer ranks" in b.err and "saved by fewer ranks" not in a.err
     (a, b) = gloo_ranks.run(BODY, 2, tmp_path / "s3", mode="load", extras="none", **args)
     assert a.out["extra"] == {"rank": 0} and b.out["extra"] is None
+    assert a.out["tier"] == b.out["tier"] == "lustre"          # restored by the previous run: local now

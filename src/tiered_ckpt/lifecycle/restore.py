@@ -73,6 +73,10 @@ NO_HASHES = "sizes only: saved without hashes"
 log = logging.getLogger(__name__)
 
 
+# Where a restart's checkpoint came from (resume_from; TrainingState.tier).
+LUSTRE, ARCHIVE = "lustre", "archive"
+
+
 @dataclass(frozen=True)
 class Found:
     manifest: Manifest
@@ -222,7 +226,14 @@ def choose(cfg: NodeConfig, backend: TierBackend, name: str | None, warnings: li
 def resume_point(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *,
                  progress: RestoreProgress | None = None,
                  lock_wait: float | None = DEFAULT_LOCK_WAIT) -> str | None:
-    """What a training restart loads: `name`, else the newest checkpoint committed on EITHER tier,
+    """What a training restart loads (resume_from's name)."""
+    return resume_from(cfg, backend, name, progress=progress, lock_wait=lock_wait)[0]
+
+
+def resume_from(cfg: NodeConfig, backend: TierBackend, name: str | None = None, *,
+                progress: RestoreProgress | None = None,
+                lock_wait: float | None = DEFAULT_LOCK_WAIT) -> tuple[str | None, str]:
+    """(name, where it came from: "lustre" or "archive") of what a training restart loads: `name`, else the newest checkpoint committed on EITHER tier,
     made readable on the accelerator layer first when only the archive holds it (a restore, as
     `tiered-ckpt restore NAME` does). None when neither tier holds a committed checkpoint: a first
     start, nothing to resume.
@@ -239,16 +250,16 @@ def resume_point(cfg: NodeConfig, backend: TierBackend, name: str | None = None,
     if name is not None:
         require_name(name, cfg.naming)
         if _local_found(cfg, name) is not None or not backend.archive_configured:
-            return name
+            return name, LUSTRE
         if _resolve(cfg, backend, name) is not None:
-            restore(cfg, backend, name, progress=progress, lock_wait=lock_wait)
-        return name        # not committed anywhere: the reader's own message says so
+            return restore(cfg, backend, name, progress=progress, lock_wait=lock_wait).name, ARCHIVE
+        return name, LUSTRE        # not committed anywhere: the reader's own message says so
     newest, where = _newest(cfg, backend)
     if newest is not None and where == "archive":
         log.info("the newest committed checkpoint %s is only in the archive: restoring it", newest.name,
                  extra=fields("resume", model=cfg.model, checkpoint=newest.name))
-        return restore(cfg, backend, newest.name, progress=progress, lock_wait=lock_wait).name
-    return newest.name if newest is not None else None
+        return restore(cfg, backend, newest.name, progress=progress, lock_wait=lock_wait).name, ARCHIVE
+    return (newest.name if newest is not None else None), LUSTRE
 
 
 def newest_committed(cfg: NodeConfig, backend: TierBackend) -> Manifest | None:
