@@ -42,12 +42,12 @@ kill = A.get("kill")            # [rank, step, "save" | "replica"]: SIGKILL ther
 if kill and kill[0] == rank:
     if kill[2] == "save":
         import tiered_ckpt.dcp as D
-        real = D.mf.write_marker
+        real = D.commit.write_marker
         def dying(path, m, **kw):
             if m.step == kill[1]:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(path, m, **kw)
-        D.mf.write_marker = dying
+        D.commit.write_marker = dying
     else:
         import tiered_ckpt.replica as R
         real_send = R._send_bytes
