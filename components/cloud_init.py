@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from tiered_ckpt import records
-from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, MemoryConfig, NodeConfig, RetentionConfig, dump, validate
+from tiered_ckpt.config import NodeConfig, dump
 
 from . import node_lock, slurm_conf
 
@@ -96,30 +96,14 @@ class SlurmInputs:
 
 @dataclass(frozen=True)
 class NodeInputs:
-    """Everything the node needs; all plain values (resolved Outputs)."""
+    """Everything the VM receives; all plain values (resolved Outputs). The toolkit's settings are `config`
+    (components/node_config.py builds it); the rest is what only the boot reads."""
 
+    config: NodeConfig      # written as /etc/tiered-ckpt/config.yaml
     mgs_address: str
-    account_url: str
-    data_container: str
-    blob_prefix: str
-    lustre_root: str
-    model: str
-    nodes: int
-    identity_client_id: str
-    subscription_id: str
-    resource_group: str
-    filesystem: str
-    autoexport_job: str
-    provisioned_gbps: float
-    keep_last: int
-    keep_every_steps: int
-    min_keep: int
-    action: str
-    schedule: str
+    schedule: str           # the retention timer's OnCalendar
     tools_url: str      # https://<tools account>.blob.core.windows.net/<container>/<blob>
     tools_sha256: str
-    memory_keep: int = 0            # the memory tier (0: off): copies per rank in node RAM
-    memory_budget_bytes: int = 0    # bytes this node's memory tier may hold (keep x 2 x its share)
     role: str = ROLE_NODE           # ROLE_NODE (ND node, slurmd), ROLE_LOGIN (slurmctld, retention), ROLE_BYO
     admin_user: str = "azureuser"
     training_user: str = "azureuser"
@@ -178,25 +162,6 @@ def build_toolkit(repo_root: Path, out_dir: Path) -> Toolkit:
 MEMORY_TIER_DIR = "/dev/shm/tiered-ckpt"
 
 
-def node_config(n: NodeInputs) -> NodeConfig:
-    """The toolkit's own config object, validated by the toolkit's own rules."""
-    cfg = NodeConfig(
-        root=n.lustre_root,
-        model=n.model,
-        backend="amlfs",
-        nodes=n.nodes,
-        archive=ArchiveConfig(account_url=n.account_url, container=n.data_container, prefix=n.blob_prefix,
-                              managed_identity_client_id=n.identity_client_id),
-        amlfs=AmlfsConfig(mount=MOUNT, subscription_id=n.subscription_id, resource_group=n.resource_group,
-                          filesystem=n.filesystem, autoexport_job=n.autoexport_job, provisioned_gbps=n.provisioned_gbps),
-        retention=RetentionConfig(keep_last=n.keep_last, keep_every_steps=n.keep_every_steps, min_keep=n.min_keep, action=n.action),
-        memory=MemoryConfig() if not n.memory_keep else
-        MemoryConfig(dir=MEMORY_TIER_DIR, keep=n.memory_keep, budget_bytes=n.memory_budget_bytes),
-    )
-    validate(cfg)
-    return cfg
-
-
 # ND v5 NCCL settings: what Microsoft's HPC image writes to /etc/nccl.conf for NDv5 (Azure/azhpc-images,
 # customizations/ndv5.sh: NCCL_IB_PCI_RELAXED_ORDERING=1, NCCL_TOPO_FILE, NCCL_IGNORE_CPU_AFFINITY=1) plus
 # the socket interface and device order of Azure's Megatron-on-Slurm examples (Azure/ai-infrastructure-on-azure:
@@ -244,22 +209,23 @@ def boot_settings(n: NodeInputs) -> dict[str, str]:
         raise ValueError(f"secure_boot must be one of {SECURE_BOOT_STATES}, got {n.secure_boot!r}")
     if n.lustre_client not in LUSTRE_CLIENTS:
         raise ValueError(f"lustre_client must be one of {LUSTRE_CLIENTS}, got {n.lustre_client!r}")
+    cfg = n.config
     env = {
         "ROLE": n.role, "IMDS": IMDS, "MOUNT": MOUNT, "MGS": n.mgs_address, "FSTAB_OPTIONS": FSTAB_OPTIONS,
         "TIERED_SECURE_BOOT": {"on": "true", "off": "false"}.get(n.secure_boot, "unknown"),
         "TIERED_LUSTRE_CLIENT": n.lustre_client,
         "VENV": VENV, "NODE_REQUIREMENTS": NODE_REQUIREMENTS, "TOOLS_URL": n.tools_url, "TOOLS_SHA256": n.tools_sha256,
-        "IDENTITY_CLIENT_ID": n.identity_client_id,
+        "IDENTITY_CLIENT_ID": cfg.archive.managed_identity_client_id or "",
         "ADMIN_USER": n.admin_user, "TRAINING_USER": n.training_user, "TRAINING_GROUP": n.training_group,
         "TRAINING_UID": str(TRAINING_UID), "TRAINING_GID": str(TRAINING_GID),
         "SERVICE_USER": SERVICE_USER, "SERVICE_ID": str(SERVICE_ID), "WORK_DIR": WORK_DIR,
-        "LUSTRE_ROOT": n.lustre_root, "MODEL": n.model, "RECORDS_DIR": str(records.records_dir(n.lustre_root, n.model)),
+        "LUSTRE_ROOT": cfg.root, "MODEL": cfg.model, "RECORDS_DIR": str(records.records_dir(cfg.root, cfg.model)),
         "RETENTION": "1" if n.role == ROLE_LOGIN else "0",
-        "RETENTION_ACTION": n.action, "RETENTION_SCHEDULE": n.schedule,
+        "RETENTION_ACTION": cfg.retention.action, "RETENTION_SCHEDULE": n.schedule,
         "GPUS_PER_NODE": str(n.gpus_per_node if n.role == ROLE_NODE else 0),
         "SLURM": "0",
         # With the memory tier on, the events watcher writes the job's memory.notice_file first.
-        "MEMORY_NOTICE": MemoryConfig().notice_file if n.memory_keep and n.role == ROLE_NODE else "",
+        "MEMORY_NOTICE": cfg.memory.notice_file if cfg.memory.dir is not None and n.role == ROLE_NODE else "",
     }
     env.update(dict(n.security_env))
     if env["TIERED_LUSTRE_CLIENT"] not in LUSTRE_CLIENTS:
@@ -341,7 +307,7 @@ def _nccl_profile(n: NodeInputs) -> list[dict[str, str]]:
 
 def files(n: NodeInputs) -> list[dict[str, str]]:
     """Every file the VM gets (cloud-init write_files entries), the bootstrap last."""
-    out = [_file(CONFIG_PATH, dump(node_config(n))),
+    out = [_file(CONFIG_PATH, dump(n.config)),
            _file(NODE_REQUIREMENTS, node_lock.LOCK.read_text()),
            _file(BOOT_ENV, render_boot_env(n)),
            _file(BOOT_LIB, _script("lib/boot-common.sh"))]
@@ -376,7 +342,7 @@ def bootstrap_script(n: NodeInputs) -> str:
 #
 # Each node must: be in the stack's compute subnet (the storage firewall and the AMLFS NSG admit that
 # subnet; see the stack output computeSubnetId), run Ubuntu 22.04/24.04, and carry the user-assigned
-# identity of the stack output nodeIdentityId (client ID {n.identity_client_id}), e.g.
+# identity of the stack output nodeIdentityId (client ID {n.config.archive.managed_identity_client_id}), e.g.
 #   az vmss identity assign -g <cluster rg> -n <scale set> --identities <nodeIdentityId>
 # Run as root on every node:    sudo bash tiered-ckpt-bootstrap.sh
 # and on exactly ONE host (retention runs once per cluster, under its per-model lock):

@@ -30,6 +30,7 @@ from pulumi_azure_native import authorization, compute, keyvault, managedidentit
 from . import cloud_init, slurm_conf
 from .core_storage import STORAGE_BLOB_DATA_READER, account_name, role_definition_id
 from .network import login_private_ip
+from .node_config import node_config
 from .settings import MAX_NODES, Settings
 from .vm_security import STANDARD, VmSecurity
 
@@ -155,11 +156,14 @@ class Cluster(pulumi.ComponentResource):
             opts=child)
         grants.append(grant("fs-jobs", args.filesystem_id, role.id))
 
+        # /etc/tiered-ckpt/config.yaml: components/node_config.py maps settings and these outputs, in one apply.
+        config = pulumi.Output.all(
+            account_url=args.archive_blob_endpoint, container=args.data_container_name, identity_client_id=uami.client_id,
+            subscription_id=args.subscription_id, resource_group=rg, filesystem=args.filesystem_name,
+            autoexport_job=args.autoexport_job_name, provisioned_gbps=args.provisioned_gbps).apply(lambda v: node_config(s, **v))
         inputs = pulumi.Output.all(
-            mgs=args.mgs_address, endpoint=args.archive_blob_endpoint, container=args.data_container_name,
-            client_id=uami.client_id, sub=args.subscription_id, rg=rg, fs=args.filesystem_name, job=args.autoexport_job_name,
-            gbps=args.provisioned_gbps, tools_endpoint=tools.primary_endpoints.apply(lambda e: e.blob),
-            tools_container=tools_container.name, blob_name=blob.name)
+            config=config, mgs=args.mgs_address, client_id=uami.client_id,
+            tools_endpoint=tools.primary_endpoints.apply(lambda e: e.blob), tools_container=tools_container.name, blob_name=blob.name)
         self.identity_id = uami.id
         self.identity_client_id = uami.client_id
         self.identity_principal_id = uami.principal_id
@@ -390,18 +394,13 @@ def node_feature(vm_size: str) -> str:
 
 def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any], *, role: str,
                  slurm: cloud_init.SlurmInputs | None = None) -> cloud_init.NodeInputs:
+    """What one VM receives: the node config (v["config"], components/node_config.py) and the boot's own inputs."""
     return cloud_init.NodeInputs(
-        role=role, slurm=slurm, admin_user=s.admin_username, training_user=s.training_user, training_group=s.training_group,
+        config=v["config"], role=role, slurm=slurm, admin_user=s.admin_username, training_user=s.training_user,
+        training_group=s.training_group,
         nccl_topo_file=cloud_init.nccl_topo_file(s.vm_size) if role == cloud_init.ROLE_NODE else "",
         security_env=boot_security(s, role),
         gpus_per_node=slurm_conf.ND_GPUS_PER_NODE,
-        mgs_address=v["mgs"], account_url=v["endpoint"].rstrip("/"), data_container=v["container"],
-        blob_prefix=s.blob_prefix, lustre_root=s.lustre_root, model=s.model_name, nodes=s.node_count,
-        identity_client_id=v["client_id"], subscription_id=v["sub"], resource_group=v["rg"], filesystem=v["fs"],
-        autoexport_job=v["job"], provisioned_gbps=float(v["gbps"]), keep_last=s.retention_keep_last,
-        keep_every_steps=s.retention_keep_every_steps, min_keep=s.retention_min_keep, action=s.retention_action,
-        schedule=s.retention_schedule,
-        memory_keep=s.memory_keep,
-        memory_budget_bytes=int(s.memory_keep * 2 * s.checkpoint_size_gib * (1 << 30) // max(1, s.node_count)),
+        mgs_address=v["mgs"], schedule=s.retention_schedule,
         tools_url=f"{v['tools_endpoint'].rstrip('/')}/{v['tools_container']}/{v['blob_name']}",
         tools_sha256=toolkit.sha256)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from components import cloud_init
+from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig
 from tiered_ops import mockrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,12 +50,18 @@ def schema_check(text: bytes, tmp_path: Path) -> subprocess.CompletedProcess[str
     return subprocess.run([exe, "schema", "--config-file", str(f)], capture_output=True, text=True, timeout=60)
 
 
-def node_inputs(**over: object) -> cloud_init.NodeInputs:
-    base = dict(mgs_address="10.42.0.4", account_url="https://a.blob.core.windows.net", data_container="checkpoints",
-                blob_prefix="checkpoints", lustre_root="/lustrefs/checkpoints", model="llama3-70b", nodes=100,
-                identity_client_id="00000000-0000-0000-0000-000000000001", subscription_id="s" * 36,
-                resource_group="r" * 90, filesystem="f" * 80, autoexport_job="j" * 80, provisioned_gbps=384.0,
-                keep_last=10, keep_every_steps=1000, min_keep=5, action="release", schedule="*:0/15",
-                tools_url="https://t.blob.core.windows.net/tools/" + "x" * 200, tools_sha256="a" * 64)
+def node_inputs(*, model: str = "llama3-70b", action: str = "release",
+                identity_client_id: str = "00000000-0000-0000-0000-000000000001", **over: object) -> cloud_init.NodeInputs:
+    """One VM's inputs with long names everywhere (the largest documents). The config is not validated, so a
+    test can hand the boot a value the toolkit would refuse."""
+    config = NodeConfig(
+        root="/lustrefs/checkpoints", model=model, backend="amlfs", nodes=100,
+        archive=ArchiveConfig(account_url="https://a.blob.core.windows.net", container="checkpoints", prefix="checkpoints",
+                              managed_identity_client_id=identity_client_id),
+        amlfs=AmlfsConfig(mount=cloud_init.MOUNT, subscription_id="s" * 36, resource_group="r" * 90, filesystem="f" * 80,
+                          autoexport_job="j" * 80, provisioned_gbps=384.0),
+        retention=RetentionConfig(keep_last=10, keep_every_steps=1000, min_keep=5, action=action))
+    base: dict[str, object] = dict(config=config, mgs_address="10.42.0.4", schedule="*:0/15",
+                                   tools_url="https://t.blob.core.windows.net/tools/" + "x" * 200, tools_sha256="a" * 64)
     base.update(over)
     return cloud_init.NodeInputs(**base)  # type: ignore[arg-type]

@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -235,7 +234,7 @@ def test_custom_data_holds_the_scripts_unchanged_and_settings_only_in_the_enviro
         assert "VAULT_URL=https://v.vault.azure.net" in env and "MGS=10.42.0.4" in env
         assert f"SLURM_VERSION={slurm_conf.SLURM_VERSION}" in env
     with pytest.raises(ValueError, match="line break"):
-        cloud_init.render_boot_env(replace(node_inputs(), model="a\nb"))
+        cloud_init.render_boot_env(node_inputs(model="a\nb"))
 
 
 def test_the_plan_shows_each_vms_slurm_packages_and_lustre_client_path() -> None:

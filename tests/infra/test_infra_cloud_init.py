@@ -17,7 +17,7 @@ from components import cloud_init
 from tiered_ckpt import config as node_config
 from tiered_ops import mockrun
 
-from .conftest import ROOT, Plan, custom_data, login_data, node_inputs, schema_check
+from .conftest import ROOT, SSH_KEY, Plan, custom_data, login_data, node_inputs, schema_check
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,6 +89,39 @@ def test_node_config_is_the_toolkits_own_schema_with_deployment_values(plan: Pla
         o["subscriptionId"], o["computeResourceGroup"], o["amlfsName"], o["autoExportJobName"])
     assert cfg.amlfs.provisioned_gbps == 64.0 and cfg.amlfs.mount == "/lustrefs"
     assert (cfg.retention.keep_last, cfg.retention.min_keep, cfg.retention.action) == (3, 2, "release")
+
+
+@pytest.mark.parametrize("stack", ["prod", "dev"])
+def test_config_yaml_is_the_one_node_config_mapping_of_settings_and_outputs(plan: Plan, stack: str) -> None:
+    """One declaration per node setting: the config.yaml every VM gets is node_config(settings, outputs)
+    dumped, and the boot's inputs carry no copy of a NodeConfig field beside it."""
+    from dataclasses import fields, is_dataclass
+
+    from components import settings
+    from components.node_config import node_config as build
+
+    p = plan(stack)
+    o = p.outputs
+    s = settings.load(mockrun.stack_config(stack, {"sshPublicKey": SSH_KEY}), stack)
+    want = build(s, account_url=o["storageAccountUrl"], container=o["dataContainer"],
+                 identity_client_id=p.one("azure-native:managedidentity:UserAssignedIdentity", "gpu-identity").state["clientId"],
+                 subscription_id=o["subscriptionId"], resource_group=o["computeResourceGroup"], filesystem=o["amlfsName"],
+                 autoexport_job=o["autoExportJobName"], provisioned_gbps=float(o["provisionedGBps"]))
+    for raw in (custom_data(p), login_data(p)):
+        content = next(f["content"] for f in yaml.safe_load(raw)["write_files"] if f["path"] == cloud_init.CONFIG_PATH)
+        assert content == node_config.dump(want)
+
+    def names(cls: type) -> set[str]:
+        out = set()
+        for f in fields(cls):
+            out.add(f.name)
+            default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+            if is_dataclass(default):
+                out |= names(type(default))
+        return out
+
+    copies = {f.name for f in fields(cloud_init.NodeInputs)} & (names(node_config.NodeConfig) | {"keep_last", "action"})
+    assert not copies, f"cloud_init.NodeInputs re-declares NodeConfig fields: {sorted(copies)}"
 
 
 def test_custom_data_size_does_not_grow_with_the_toolkit(tmp_path: Path) -> None:

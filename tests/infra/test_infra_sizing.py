@@ -76,15 +76,11 @@ def test_the_memory_tier_is_sized_against_the_nodes_ram() -> None:
 
 
 def test_the_node_config_carries_the_memory_tier_when_it_is_on() -> None:
-    from components import cloud_init
+    from components.node_config import node_config
 
-    n = cloud_init.NodeInputs(mgs_address="10.0.0.4@tcp", account_url="https://a.blob.core.windows.net", data_container="c",
-                              blob_prefix="checkpoints", lustre_root="/lustrefs/checkpoints", model="m", nodes=8,
-                              identity_client_id="id", subscription_id="s", resource_group="g", filesystem="f",
-                              autoexport_job="j", provisioned_gbps=64.0, keep_last=3, keep_every_steps=0, min_keep=2,
-                              action="release", schedule="*:0/15", tools_url="https://t/c/b", tools_sha256="0" * 64,
-                              memory_keep=2, memory_budget_bytes=456 << 30)
-    cfg = cloud_init.node_config(n)
+    outputs = dict(account_url="https://a.blob.core.windows.net/", container="c", identity_client_id="id", subscription_id="s",
+                   resource_group="g", filesystem="f", autoexport_job="j", provisioned_gbps=64.0)
+    cfg = node_config(load("prod", memoryKeep=2), **outputs)
     assert (cfg.memory.dir, cfg.memory.keep, cfg.memory.budget_bytes) == ("/dev/shm/tiered-ckpt", 2, 456 << 30)
-    off = cloud_init.node_config(cloud_init.NodeInputs(**{**n.__dict__, "memory_keep": 0}))
+    off = node_config(load("prod"), **outputs)
     assert off.memory.dir is None
