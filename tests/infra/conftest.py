@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from components import cloud_init
+from components.node import cloud_init
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig
 from tiered_ops import mockrun
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components import cloud_init, node_lock, slurm_conf
+from components.node import cloud_init, node_lock, slurm_conf, toolkit
 from tests.doubles.azure_vm import SECRET, FakeAzure
 from tests.doubles.image import KERNEL, LUSTRE, Image, make_image
 from tiered_ckpt import records
@@ -151,7 +151,7 @@ def test_a_vm_whose_slurm_user_has_another_uid_fails_naming_it(tmp_path: Path, a
                      run.stderr), run.stderr
 
 
-# --- what the previous boot (components/cloud_init.py before issue 20, commit ead7d6e) did, on the image ---
+# --- what the previous boot (components/node/cloud_init.py before issue 20, commit ead7d6e) did, on the image ---
 
 def test_the_previous_slurm_install_finds_no_candidate_on_the_image(tmp_path: Path) -> None:
     img = make_image(tmp_path / "image", secure_boot=False)
@@ -251,7 +251,7 @@ def test_the_plan_shows_each_vms_slurm_packages_and_lustre_client_path() -> None
 
 def test_the_lock_hashes_every_wheel_and_matches_pyprojects_pins(tmp_path: Path) -> None:
     pins, locked = node_lock.pyproject_pins(), node_lock.lock_pins()
-    assert {n: {v} for n, v in pins.items()} == {n: locked[n] for n in pins}, "regenerate: python -m components.node_lock"
+    assert {n: {v} for n, v in pins.items()} == {n: locked[n] for n in pins}, "regenerate: python -m components.node.node_lock"
     assert set(node_lock.TOOLING) <= set(locked)
     text = node_lock.LOCK.read_text()
     for entry in re.split(r"\n(?=[a-z0-9])", text.split("\n", 2)[2].strip()):
@@ -279,7 +279,7 @@ def test_a_changed_pin_is_caught(tmp_path: Path) -> None:
 def test_a_toolkit_change_replaces_the_blob_name_and_keeps_the_old_blob(plan: Plan, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Existing instances' custom data name the old blob: the replaced blob must survive `pulumi up`."""
-    real = cloud_init.build_toolkit
+    real = toolkit.build_toolkit
     seen: list[tuple[str, str, bool, str]] = []
     for variant in ("a", "b"):
         repo = tmp_path / variant
@@ -288,7 +288,7 @@ def test_a_toolkit_change_replaces_the_blob_name_and_keeps_the_old_blob(plan: Pl
                         ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
         (repo / "src" / "tiered_ckpt" / "_variant.py").write_text(f"VARIANT = {variant!r}\n")   # a toolkit change
-        monkeypatch.setattr(cloud_init, "build_toolkit", lambda _root, out, repo=repo: real(repo, out))
+        monkeypatch.setattr(toolkit, "build_toolkit", lambda _root, out, repo=repo: real(repo, out))
         p = plan("dev")
         blob = p.one("azure-native:storage:Blob", "toolkit")
         boot = yaml.safe_load(base64.b64decode(

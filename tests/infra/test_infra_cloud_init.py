@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components import cloud_init
+from components.node import cloud_init, toolkit
 from tiered_ckpt import config as node_config
 from tiered_ops import mockrun
 
@@ -97,12 +97,12 @@ def test_config_yaml_is_the_one_node_config_mapping_of_settings_and_outputs(plan
     dumped, and the boot's inputs carry no copy of a NodeConfig field beside it."""
     from dataclasses import fields, is_dataclass
 
-    from components import settings
-    from components.node_config import node_config as build
+    from components.node.config import node_config as build
+    from components.settings import schema
 
     p = plan(stack)
     o = p.outputs
-    s = settings.load(mockrun.stack_config(stack, {"sshPublicKey": SSH_KEY}), stack)
+    s = schema.load(mockrun.stack_config(stack, {"sshPublicKey": SSH_KEY}), stack)
     want = build(s, account_url=o["storageAccountUrl"], container=o["dataContainer"],
                  identity_client_id=p.one("azure-native:managedidentity:UserAssignedIdentity", "gpu-identity").state["clientId"],
                  subscription_id=o["subscriptionId"], resource_group=o["computeResourceGroup"], filesystem=o["amlfsName"],
@@ -131,7 +131,7 @@ def test_custom_data_size_does_not_grow_with_the_toolkit(tmp_path: Path) -> None
     assert schema_check(text.encode(), tmp_path).returncode == 0
     # The largest documents: a node and the login VM with Slurm, the NCCL profile, every script and long
     # names everywhere stay under Azure's limit with room for the scripts to grow (a quarter of it).
-    from components import slurm_conf
+    from components.node import slurm_conf
     conf = slurm_conf.SlurmConfInputs("c" * 40, "h" * 63, 100, controller_addr="10.255.255.254", health_check_program=cloud_init.HEALTHCHECK)
     slurm = cloud_init.SlurmInputs(conf=conf, vault_url="https://" + "v" * 24 + ".vault.azure.net", secret_name="munge-key",
                                    vault_client_id="0" * 36)
@@ -146,8 +146,8 @@ def test_custom_data_size_does_not_grow_with_the_toolkit(tmp_path: Path) -> None
 
 
 def test_toolkit_tarball_is_deterministic_and_installable(tmp_path: Path) -> None:
-    a = cloud_init.build_toolkit(ROOT, tmp_path / "a")
-    b = cloud_init.build_toolkit(ROOT, tmp_path / "b")
+    a = toolkit.build_toolkit(ROOT, tmp_path / "a")
+    b = toolkit.build_toolkit(ROOT, tmp_path / "b")
     assert a.sha256 == b.sha256 and a.path.read_bytes() == b.path.read_bytes()
     assert a.blob_name == f"tiered-ckpt-{a.sha256[:16]}.tar.gz"
     with tarfile.open(a.path) as tar:
@@ -165,7 +165,7 @@ def test_toolkit_tarball_is_deterministic_and_installable(tmp_path: Path) -> Non
 def test_a_node_venv_from_the_tarball_runs_the_toolkit_without_the_demo_libraries(tmp_path: Path) -> None:
     """What cloud-init does on a node: a fresh venv, the bootstrap's own pip lines (dependencies from the
     hashed lock in --require-hashes mode, then the toolkit tarball with no resolution), run as rendered."""
-    t = cloud_init.build_toolkit(ROOT, tmp_path / "t")
+    t = toolkit.build_toolkit(ROOT, tmp_path / "t")
     root = tmp_path / "root"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     doc = yaml.safe_load(cloud_init.render(node_inputs()))

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from components import cloud_init, slurm_conf
-from components.cluster import KEY_VAULT_SECRETS_OFFICER, KEY_VAULT_SECRETS_USER
+from components.node import cloud_init, slurm_conf
+from components.resources.identity import KEY_VAULT_SECRETS_OFFICER, KEY_VAULT_SECRETS_USER
 from tiered_ops import mockrun
 
 from .conftest import ROOT, SSH_KEY, Plan, custom_data, login_data

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from components import cloud_init
+from components.node import cloud_init
 from tests.doubles.azure_vm import SECRET, FakeAzure
 
 from .conftest import node_inputs

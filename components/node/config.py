@@ -4,10 +4,10 @@ toolkit's own rules. The cluster component calls it inside one Output.apply; clo
 """
 from __future__ import annotations
 
+from components.settings.schema import Settings
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, MemoryConfig, NodeConfig, RetentionConfig, validate
 
 from .cloud_init import MEMORY_TIER_DIR, MOUNT
-from .settings import Settings
 
 
 def node_config(s: Settings, *, account_url: str, container: str, identity_client_id: str, subscription_id: str,

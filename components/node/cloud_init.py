@@ -8,7 +8,7 @@ invoking the bootstrap. No script text is generated or substituted here.
 
 Nothing here talks to Azure; the Pulumi cluster component feeds resolved values in through
 Output.all(...).apply. The custom data carries no secret: the toolkit is fetched from a private blob
-with the node's managed identity (IMDS token), and its sha256 (below) is checked before install.
+with the node's managed identity (IMDS token), and its sha256 (components/node/toolkit.py) is checked before install.
 
 Why the toolkit is not embedded: Azure limits custom data to 64 KiB; the toolkit's source will grow
 to 150-250 KB, which even gzip+base64 would push over the limit.
@@ -16,17 +16,13 @@ to 150-250 KB, which even gzip+base64 would push over the limit.
 from __future__ import annotations
 
 import base64
-import gzip
-import hashlib
-import io
-import os
 import shlex
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from components.settings.schema import WORK_DIR
 from tiered_ckpt import records
 from tiered_ckpt.config import NodeConfig, dump
 
@@ -52,8 +48,6 @@ SERVICE_ID = 2742
 TRAINING_GID = 2743
 TRAINING_UID = 2744
 ROLE_NODE, ROLE_LOGIN, ROLE_BYO = "node", "login", "byo"
-WORK_DIR = "work"          # /lustrefs/work: shared by the login VM and every node
-SLURM_DIR = ".slurm"       # /lustrefs/.slurm: slurmctld's state (survives a replaced login VM)
 BOOTSTRAP = "/usr/local/sbin/tiered-ckpt-bootstrap"
 BOOT_LIB = "/usr/local/lib/tiered-ckpt/boot-common.sh"    # scripts/lib/boot-common.sh (the bootstraps source it)
 BOOT_ENV = "/etc/tiered-ckpt/boot.env"                    # the settings of the scripts on this VM
@@ -68,19 +62,12 @@ MUNGE_KEY = "/etc/munge/munge.key"
 # IMDS: tokens for the VM's user-assigned identities without a stored secret, and Scheduled Events.
 IMDS = "http://169.254.169.254"
 # The boot's files in this repository (the layout: Pulumi.yaml, __main__.py, components, stacks, scripts, tests).
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 # Secure Boot of the VM as the deployment sets it, and the Lustre client path (scripts/lib/boot-common.sh:
 # the signed kmod under Secure Boot, the image's DKMS client otherwise). The boot reads the real state with
 # `mokutil --sb-state`; this value decides only where that cannot tell ("unknown" counts as on).
 SECURE_BOOT_STATES = ("on", "off", "unknown")
 LUSTRE_CLIENTS = ("auto", "kmod", "dkms")
-
-
-@dataclass(frozen=True)
-class Toolkit:
-    path: Path          # the built tarball
-    sha256: str
-    blob_name: str
 
 
 @dataclass(frozen=True)
@@ -97,7 +84,7 @@ class SlurmInputs:
 @dataclass(frozen=True)
 class NodeInputs:
     """Everything the VM receives; all plain values (resolved Outputs). The toolkit's settings are `config`
-    (components/node_config.py builds it); the rest is what only the boot reads."""
+    (components/node/config.py builds it); the rest is what only the boot reads."""
 
     config: NodeConfig      # written as /etc/tiered-ckpt/config.yaml
     mgs_address: str
@@ -113,48 +100,13 @@ class NodeInputs:
     slurm: SlurmInputs | None = None
     secure_boot: str = "unknown"    # SECURE_BOOT_STATES: this VM's securityProfile
     lustre_client: str = "auto"     # LUSTRE_CLIENTS
-    # components/vm_security.py's VmSecurity.boot_env() for a VM of ours (it wins over the two fields above)
+    # components/settings/vm_security.py's VmSecurity.boot_env() for a VM of ours (it wins over the two fields above)
     security_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def retention(self) -> bool:
         """Retention runs once per cluster: on the login node; never on an ND node (see ROLE_BYO)."""
         return self.role in (ROLE_LOGIN, ROLE_BYO)
-
-
-def build_toolkit(repo_root: Path, out_dir: Path) -> Toolkit:
-    """A deterministic tar.gz of pyproject.toml + src/tiered_ckpt (same input -> same bytes -> same hash).
-
-    Only the node toolkit: the operator (tiered_ops) and demo (tiered_demo) packages never reach a node.
-
-    pip installs it on the node with the dependency pins of pyproject.toml, the one place they live.
-    """
-    members: list[tuple[str, Path]] = [("pyproject.toml", repo_root / "pyproject.toml")]
-    pkg = repo_root / "src" / "tiered_ckpt"
-    for p in sorted(pkg.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".typed", ".yaml", ".json", ".txt"):
-            members.append((f"src/tiered_ckpt/{p.relative_to(pkg).as_posix()}", p))
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, path in members:
-            data = path.read_bytes()
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(data), 0, 0o644
-            info.uid = info.gid = 0
-            info.uname = info.gname = "root"
-            tar.addfile(info, io.BytesIO(data))
-    blob = gzip.compress(raw.getvalue(), compresslevel=9, mtime=0)
-    sha = hashlib.sha256(blob).hexdigest()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"tiered-ckpt-{sha[:16]}.tar.gz"
-    if not path.exists() or path.read_bytes() != blob:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
-    for old in out_dir.glob("tiered-ckpt-*.tar.gz"):
-        if old != path:
-            old.unlink(missing_ok=True)   # earlier builds; the Pulumi state keeps only their hashes
-    return Toolkit(path=path, sha256=sha, blob_name=path.name)
 
 
 # The memory tier's directory: in /dev/shm, the tmpfs every Linux node has (half its RAM by default,
@@ -248,7 +200,7 @@ def boot_settings(n: NodeInputs) -> dict[str, str]:
 
 def render_boot_env(n: NodeInputs) -> str:
     """BOOT_ENV: one KEY='value' per line, shell-quoted (the scripts source it; nothing is substituted)."""
-    return "# tiered-ckpt boot settings (components/cloud_init.py); read by scripts/*\n" + "".join(
+    return "# tiered-ckpt boot settings (components/node/cloud_init.py); read by scripts/*\n" + "".join(
         f"{k}={shlex.quote(v)}\n" for k, v in boot_settings(n).items())
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from tiered_ckpt.errors import UserError
 from tiered_ckpt.lifecycle.archive_retention import JOURNAL_PREFIX
 
-from . import cloud_init, oncalendar, sizing, subnets, vm_security
+from . import oncalendar, sizing, subnets, vm_security
 
 NAMESPACE = "tiered"
 
@@ -105,7 +105,7 @@ LOGIN_VM_SIZES = (
     "Standard_D4s_v5", "Standard_D8s_v5", "Standard_D16s_v5", "Standard_D4ds_v5", "Standard_D8ds_v5", "Standard_D16ds_v5",
     "Standard_D4as_v5", "Standard_D8as_v5", "Standard_D16as_v5", "Standard_E4s_v5", "Standard_E8s_v5", "Standard_E16s_v5",
 )
-# Trusted Launch per size and what each VM gets: components/vm_security.py (sizes with their source).
+# Trusted Launch per size and what each VM gets: components/settings/vm_security.py (sizes with their source).
 TRUSTED_LAUNCH_MODES = vm_security.MODES
 # A Lustre NID list as AMLFS's noSquashNidLists takes it (root squash doc: "10.0.2.4@tcp;10.0.2.[6-8]@tcp"):
 # ';'-separated NIDs, each octet a number or a [lo-hi] range, on the tcp network.
@@ -116,7 +116,7 @@ NID = re.compile(rf"^{_NID_OCTET}(?:\.{_NID_OCTET}){{3}}@tcp\d*$")
 STORAGE_IP_RULE_MAX_PREFIX = 30
 # ...and no private (RFC 1918), loopback, link-local or unspecified ranges.
 NON_PUBLIC = tuple(ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "0.0.0.0/8"))
-# The toolkit's own service account/group (components/cloud_init.py creates it): never a training group.
+# The toolkit's own service account/group (components/node/cloud_init.py creates it): never a training group.
 SERVICE_GROUP = "tiered-ckpt"
 RESERVED_NAMES = ("root", "admin", "slurm", "munge", SERVICE_GROUP)
 
@@ -264,7 +264,7 @@ class Settings:
 
     @property
     def node_security(self) -> vm_security.VmSecurity:
-        """The ND nodes' security profile and boot path (components/vm_security.py)."""
+        """The ND nodes' security profile and boot path (components/settings/vm_security.py)."""
         return vm_security.vm_security(self.vm_size, self.trusted_launch)
 
     @property
@@ -390,7 +390,9 @@ def _check_storage(s: dict[str, Any]) -> Problems:
 # and no AMLFS doc or spec says a trailing '/' is accepted, so `/checkpoints` would also import and
 # export `checkpoints2/...`. The program therefore refuses a prefix that is a string prefix of any of
 # these names (docs/deploy.md asks operators to create no sibling such as /lustrefs/checkpoints-old).
-SIBLINGS = (cloud_init.WORK_DIR, cloud_init.SLURM_DIR, JOURNAL_PREFIX)
+WORK_DIR = "work"          # /lustrefs/work: shared by the login VM and every node
+SLURM_DIR = ".slurm"       # /lustrefs/.slurm: slurmctld's state (survives a replaced login VM)
+SIBLINGS = (WORK_DIR, SLURM_DIR, JOURNAL_PREFIX)
 
 
 def _check_siblings(blob_prefix: str) -> Problems:
@@ -696,7 +698,7 @@ def check_sizing(s: Settings) -> sizing.Sizing:
 PULUMI_YAML_CONFIG_HEADER = (
     "# Every setting of the program (namespace `tiered:`); any stack file overrides any key, e.g.\n"
     "#   pulumi config set tiered:nodeCount 4 --stack prod\n"
-    "# Generated from components/settings.py (python -m components.settings --pulumi-yaml); do not edit.\n"
+    "# Generated from components/settings/schema.py (python -m components.settings --pulumi-yaml); do not edit.\n"
 )
 
 
@@ -716,14 +718,3 @@ def pulumi_yaml(current: str) -> str:
     while start > 0 and lines[start - 1].startswith("#"):
         start -= 1
     return "".join(lines[:start]) + pulumi_yaml_config()
-
-
-if __name__ == "__main__":
-    import sys
-    from pathlib import Path
-
-    if sys.argv[1:] != ["--pulumi-yaml"]:
-        sys.exit("usage: python -m components.settings --pulumi-yaml   (rewrites Pulumi.yaml's config block)")
-    target = Path(__file__).resolve().parents[1] / "Pulumi.yaml"
-    target.write_text(pulumi_yaml(target.read_text()))
-    print(f"wrote {target}")
