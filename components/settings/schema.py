@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tiered_ckpt.config import RetentionConfig, section_problems
 from tiered_ckpt.errors import UserError
 from tiered_ckpt.lifecycle.archive_retention import JOURNAL_PREFIX
 
@@ -79,7 +80,10 @@ MEMORY_TIER_RAM_FRACTION = sizing.MEMORY_RAM_FRACTION
 
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 SQUASH_MODES = ("None", "RootOnly", "All")
-RETENTION_ACTIONS = ("delete", "release")
+_RETENTION = RetentionConfig()
+# stack key -> the node config's retention setting it becomes
+RETENTION_KEYS = {"retentionKeepLast": "keep_last", "retentionKeepEverySteps": "keep_every_steps",
+                  "retentionMinKeep": "min_keep", "retentionAction": "action"}
 STORAGE_SKUS = ("Standard_LRS", "Standard_GRS", "Standard_RAGRS", "Standard_ZRS", "Standard_GZRS", "Standard_RAGZRS")
 
 # Patterns from the ARM API specs (storagecache amlfs.json for AMLFS names and the maintenance time).
@@ -238,11 +242,13 @@ class Settings:
         "Refused unless 0: an age-based Blob delete would expire the newest checkpoints too; use `tiered-ckpt archive retention`.")
     soft_delete_days: int = key("softDeleteDays", 14,
         "Blob soft delete retention, 1-365 days.")
-    retention_keep_last: int = key("retentionKeepLast", 3,
+    # The node retention keys take the node config's defaults and rules (tiered_ckpt.config.RetentionConfig),
+    # except the action: a cluster's checkpoints live on AMLFS, where release keeps the namespace.
+    retention_keep_last: int = key("retentionKeepLast", _RETENTION.keep_last,
         "Node retention: keep the newest N committed checkpoints on Lustre.")
-    retention_keep_every_steps: int = key("retentionKeepEverySteps", 0,
+    retention_keep_every_steps: int = key("retentionKeepEverySteps", _RETENTION.keep_every_steps,
         "Node retention: also keep every checkpoint whose step is a multiple of K (0 = off).")
-    retention_min_keep: int = key("retentionMinKeep", 2,
+    retention_min_keep: int = key("retentionMinKeep", _RETENTION.min_keep,
         "Node retention: never go below N committed checkpoints on Lustre.")
     retention_action: str = key("retentionAction", "release",
         "Node retention action for archived checkpoints: release (keep namespace, free data) or delete.")
@@ -580,11 +586,13 @@ def _check_modes(s: dict[str, Any]) -> Problems:
 
 
 def _check_toolkit(s: dict[str, Any]) -> Problems:
-    for name, minimum in (("retentionKeepLast", 1), ("retentionMinKeep", 1), ("retentionKeepEverySteps", 0), ("memoryKeep", 0)):
-        if s[name] < minimum:
-            yield _fail(name, s[name], f"is below {minimum}", f"set a whole number >= {minimum}")
-    if s["retentionAction"] not in RETENTION_ACTIONS:
-        yield _fail("retentionAction", s["retentionAction"], "is not a retention action", "use release or delete")
+    by_setting = {f"retention.{v}": k for k, v in RETENTION_KEYS.items()}
+    for problem in section_problems("retention", {v: s[k] for k, v in RETENTION_KEYS.items()}):
+        setting, _, rest = problem.partition(": ")
+        yield SettingsError(f"{_k(by_setting[setting])}: {rest} (the node's {setting}); set it with "
+                            f"pulumi config set {_k(by_setting[setting])} <value>")
+    if s["memoryKeep"] < 0:
+        yield _fail("memoryKeep", s["memoryKeep"], "is below 0", "set a whole number >= 0 (0 = off)")
     why = oncalendar.problem(s["retentionSchedule"])
     if why:
         yield _fail("retentionSchedule", s["retentionSchedule"], f"is not a systemd OnCalendar expression: {why}",

@@ -18,7 +18,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -449,6 +449,17 @@ def _joined(problems: list[str], source: str | None) -> str:
     if len(problems) == 1:
         return problems[0] + where
     return f"{len(problems)} problems in the configuration{where}:\n  - " + "\n  - ".join(problems)
+
+
+def section_problems(section: str, values: Mapping[str, Any]) -> list[str]:
+    """Every problem of one section's settings given outside a config file (command-line flags, a
+    stack's keys), by the section's own rules and in the config's own words ("retention.keep_last: ...")."""
+    cls = get_type_hints(NodeConfig)[section]
+    try:
+        TypeAdapter(cls).validate_python(dict(values))
+    except ValidationError as e:
+        return [_message({**err, "loc": (section, *err["loc"])}) for err in e.errors()]
+    return []
 
 
 def problems_of(cfg: NodeConfig) -> list[str]:

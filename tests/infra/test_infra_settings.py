@@ -39,7 +39,7 @@ BAD = [
     ("maintenance time format", "prod", {"maintenanceTimeUtc": "2am"}, ["tiered:maintenanceTimeUtc", "'2am'", "HH:MM"]),
     ("retention keep-last zero", "prod", {"retentionKeepLast": "0"}, ["tiered:retentionKeepLast", "0", ">= 1"]),
     ("checkpoint prefix relative", "prod", {"checkpointPrefix": "checkpoints"}, ["tiered:checkpointPrefix", "'checkpoints'", "absolute", "/checkpoints"]),
-    ("retention action", "prod", {"retentionAction": "purge"}, ["tiered:retentionAction", "'purge'", "release or delete"]),
+    ("retention action", "prod", {"retentionAction": "purge"}, ["tiered:retentionAction", "'purge'", "delete or release"]),
     ("root squash", "prod", {"rootSquash": "Everyone"}, ["tiered:rootSquash", "'Everyone'", "RootOnly"]),
     ("ssh from the internet", "prod", {"sshSourcePrefix": "0.0.0.0/0"}, ["tiered:sshSourcePrefix", "0.0.0.0/0", "whole internet"]),
     ("ssh key missing", "prod", {"sshPublicKey": ""}, ["tiered:sshPublicKey", "''", "pulumi config set tiered:sshPublicKey"]),

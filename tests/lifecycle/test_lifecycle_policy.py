@@ -94,3 +94,18 @@ def test_policy_from_config_with_overrides_and_validation() -> None:
     assert p.keep_last == 2 and p.min_keep == 2
     with pytest.raises(ConfigError, match="--min-keep"):
         Policy.from_config(RetentionConfig(), min_keep=0)
+
+
+def test_flags_are_checked_by_the_node_configs_own_rules_all_at_once() -> None:
+    # the retention rules are RetentionConfig's: a flag breaks the same rule a config file would,
+    # every broken one is named in one error, each with its flag and its setting
+    with pytest.raises(ConfigError) as e:
+        Policy.from_config(RetentionConfig(), keep_last=0, action="purge", restore_grace=-1.0)
+    msg = str(e.value)
+    assert msg.startswith("3 problems")
+    for part in ("--keep-last / retention.keep_last: 0", "--action / retention.action: 'purge'",
+                 "--restore-grace / retention.restore_grace: -1.0"):
+        assert part in msg, msg
+    with pytest.raises(ConfigError, match="--keep-last .* not a whole number"):
+        Policy(keep_last=True).validate()      # type: ignore[arg-type]  (a bool is no count)
+    assert Policy() == Policy.from_config(RetentionConfig())    # one set of defaults

@@ -19,11 +19,11 @@ the first file and why).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any, Protocol
 
-from tiered_ckpt.config import RetentionConfig
+from tiered_ckpt.config import RetentionConfig, section_problems
 from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.naming import CheckpointId
 
@@ -148,20 +148,23 @@ def guards(rank: int, min_keep: int) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------
 # The policy: the settings (what `retention plan --json` shows) and the rule set built from them.
 
+# The defaults and the rules are the node config's (config.RetentionConfig), declared there once.
+_DEFAULT = RetentionConfig()
+
+
 @dataclass(frozen=True)
 class Policy:
-    keep_last: int = 3
-    keep_every_steps: int = 0
-    keep_newer_than: float | None = None   # seconds
-    min_keep: int = 2
-    action: str = "delete"
-    restore_grace: float = 3600.0          # seconds a restored checkpoint is kept
+    keep_last: int = _DEFAULT.keep_last
+    keep_every_steps: int = _DEFAULT.keep_every_steps
+    keep_newer_than: float | None = _DEFAULT.keep_newer_than   # seconds
+    min_keep: int = _DEFAULT.min_keep
+    action: str = _DEFAULT.action
+    restore_grace: float = _DEFAULT.restore_grace               # seconds a restored checkpoint is kept
 
     @classmethod
     def from_config(cls, r: RetentionConfig, **overrides: Any) -> Policy:
         """The node config's retention block, with command-line overrides (None = not given), validated."""
-        p = cls(r.keep_last, r.keep_every_steps, r.keep_newer_than, r.min_keep, r.action,
-                getattr(r, "restore_grace", 3600.0))
+        p = cls(r.keep_last, r.keep_every_steps, r.keep_newer_than, r.min_keep, r.action, r.restore_grace)
         p = replace(p, **{k: v for k, v in overrides.items() if v is not None})
         p.validate()
         return p
@@ -178,18 +181,13 @@ class Policy:
         return AnyKeep(tuple(rules))
 
     def validate(self) -> None:
-        if self.keep_last < 1:
-            raise ConfigError(f"--keep-last / retention.keep_last: {self.keep_last} must be >= 1")
-        if self.keep_every_steps < 0:
-            raise ConfigError(f"--keep-every-steps / retention.keep_every_steps: {self.keep_every_steps} must be >= 0 (0 = off)")
-        if self.min_keep < 1:
-            raise ConfigError(f"--min-keep / retention.min_keep: {self.min_keep} must be >= 1")
-        if self.keep_newer_than is not None and self.keep_newer_than < 0:
-            raise ConfigError("--keep-newer-than / retention.keep_newer_than must not be negative")
-        if self.action not in (DELETE, RELEASE):
-            raise ConfigError(f"--action / retention.action: {self.action!r}; use delete or release")
-        if self.restore_grace < 0:
-            raise ConfigError("--restore-grace / retention.restore_grace must not be negative (0 = off)")
+        """The node config's retention rules; each problem names its flag and its setting."""
+        problems = [f"--{p.split(':', 1)[0].removeprefix('retention.').replace('_', '-')} / {p}"
+                    for p in section_problems("retention", asdict(self))]
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        if problems:
+            raise ConfigError(f"{len(problems)} problems in the retention settings:\n  - " + "\n  - ".join(problems))
 
 
 def decide(candidates: Sequence[Candidate], policy: Policy, now: datetime) -> list[Decision]:
