@@ -6,7 +6,7 @@ lightning.py, logs.py, mockrun.py), signal-handler parameters, fields of wire fo
 constant elsewhere fails `make lint`; remove it rather than listing it here.
 
 Candidates still to confirm and remove by the owner of the area (listed so lint stays green):
-components/node/cloud_init.py constants, components/settings/schema.py STORAGE_IP_RULE_MAX_PREFIX,
+components/node/cloud_init.py constants, components/settings/azure.py STORAGE_IP_RULE_MAX_PREFIX,
 components/settings/vm_security.py LUSTRE_KMOD, tiered_ckpt/tiers/blob.py seekable.
 """
 # ruff: noqa
@@ -49,7 +49,7 @@ bastionName  # unused variable (components/resources/platform.py:58)
 keyVaultName  # unused variable (components/resources/platform.py:59)
 sshCommand  # unused variable (components/resources/platform.py:60)
 nodeBootstrapScript  # unused variable (components/resources/platform.py:61)
-STORAGE_IP_RULE_MAX_PREFIX  # unused variable (components/settings/schema.py:101)
+STORAGE_IP_RULE_MAX_PREFIX  # unused variable (components/settings/azure.py)
 allow_above_default_max  # unused variable (components/settings/schema.py:151)
 delete_after_days  # unused variable (components/settings/schema.py:215)
 LUSTRE_KMOD  # unused variable (components/settings/vm_security.py:28)

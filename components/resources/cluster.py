@@ -30,7 +30,8 @@ from pulumi_azure_native import compute, keyvault, managedidentity, network, sto
 from components.node import cloud_init, slurm_conf
 from components.node.config import node_config
 from components.node.toolkit import Toolkit
-from components.settings.schema import MAX_NODES, SLURM_DIR, Settings
+from components.settings.azure import MAX_NODES
+from components.settings.schema import SLURM_DIR, Settings
 from components.settings.vm_security import STANDARD, VmSecurity
 
 from . import identity

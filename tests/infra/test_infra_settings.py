@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.settings import schema
+from components.settings import azure, schema
 from tiered_ops import mockrun
 from tiered_ops.mockrun import stack_config
 
@@ -144,7 +144,7 @@ def test_every_settings_field_is_a_declared_key() -> None:
 
     assert [f.name for f in fields(schema.Settings) if f.name != "stack"] == [k.field for k in schema.SCHEMA]
     s = schema.load(stack_config("prod", {"sshPublicKey": SSH_KEY}), "prod")
-    assert s.sku is schema.SKUS["AMLFS-Durable-Premium-500"] and s.data_mover_gbps == 7.5
+    assert s.sku is azure.SKUS["AMLFS-Durable-Premium-500"] and s.data_mover_gbps == 7.5
 
 
 @pytest.mark.timeout(30)
