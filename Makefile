@@ -64,13 +64,16 @@ lint: $(STAMP) debs
 
 # `make unit`: the fast subset a maintainer runs often (markers applied in tests/conftest.py), on two
 # pytest-xdist workers;
-# `make test`: lint and every test (requeue aside, see below).
+# `make test`: lint and every test (requeue aside, see below), on two workers that each take whole
+# modules (--dist loadfile: a module's fixtures - a built wheel, a Slurm, a mock run - start once).
+# Many tests wait on ranks, daemons and timeouts, so two workers on two cores keep both busy.
 UNIT_MARKS := not requeue and not slow and not benchmark and not network and not cluster
+XDIST := -n 2 --dist loadfile
 unit: install
 	$(BIN)/pytest -n 2 -m '$(UNIT_MARKS)' $(PYTEST_ARGS)
 
 test: install lint test-lowest
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
 
 # The runtime dependencies at the lower bounds of their ranges (constraints-lowest.txt: numpy 1.26,
 # pydantic 2.9, ...), installed over the locked environment (--target, first on PYTHONPATH), with the
@@ -82,7 +85,7 @@ LOWEST_TESTS := tests/toolkit/test_dependency_ranges.py tests/toolkit/test_save_
 test-lowest: install
 	@rm -rf $(LOWEST) && $(BIN)/pip install -q --target $(LOWEST) --no-deps -r constraints-lowest.txt \
 	  || { echo "error: pip could not install constraints-lowest.txt; check access to PyPI (pip config list)" >&2; exit 1; }
-	TIERED_CKPT_LOWEST=1 PYTHONPATH=$(LOWEST):src:. $(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(LOWEST_TESTS)
+	TIERED_CKPT_LOWEST=1 PYTHONPATH=$(LOWEST):src:. $(BIN)/python -m pytest -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) $(LOWEST_TESTS)
 
 # The Slurm requeue test (USR1 at the time limit, `scontrol requeue`): timing-bound on a loaded
 # 2-core machine, so outside `make test`.
