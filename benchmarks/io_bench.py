@@ -77,7 +77,7 @@ def _ours(directory: Path, size: int, jobs: int, block: int, hash_on: bool, step
 MEMORY = r"""
 import json, mmap, resource, sys, time
 import tiered_ckpt as tc
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.config import IoConfig, NodeConfig
 root, size, jobs, block, syncbuf = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 cfg = NodeConfig(root=root, model="memory", io=IoConfig(threads=jobs, files_per_rank=jobs, block_size=block,
@@ -91,8 +91,8 @@ t = time.perf_counter()
 tc.save({"w": buf}, epoch=0, step=1, config=cfg)
 took = time.perf_counter() - t
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-for c in mf.scan(root, "memory"):
-    mf.remove_checkpoint(c.path)
+for c in commit.scan(root, "memory"):
+    commit.remove_checkpoint(c.path)
 print(json.dumps({"bytes": size, "maxrss_before": before, "maxrss_after": after, "added": after - before,
                   "sync_buffer_bytes": syncbuf, "seconds": took}))
 """

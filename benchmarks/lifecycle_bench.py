@@ -26,8 +26,9 @@ from pathlib import Path
 from azure.storage.blob import ContainerClient
 
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import FileEntry, Manifest
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.proof import prove
 from tiered_ckpt.lifecycle.restore import restore
@@ -48,8 +49,8 @@ def _checkpoint(root: Path, step: int, files: dict[str, bytes]) -> None:
         (d / name).write_bytes(data)
         h = new_hasher()
         h.update(data)
-        entries.append(mf.FileEntry(name, len(data), h.hexdigest()))
-    mf.write_marker(d, mf.Manifest(epoch=0, step=step, files=entries))
+        entries.append(FileEntry(name, len(data), h.hexdigest()))
+    commit.write_marker(d, Manifest(epoch=0, step=step, files=entries))
 
 
 def bench_proof(n_files: int, cost: float, batch: int, work: Path) -> dict[str, float]:
@@ -68,7 +69,7 @@ def bench_proof(n_files: int, cost: float, batch: int, work: Path) -> dict[str, 
                       FAKE_LFS_COST=str(cost), FAKE_LFS_DEFAULT_FLAGS="0x9")
     cfg = NodeConfig(root=str(root), model="m", backend="amlfs", amlfs=AmlfsConfig(lfs=str(FAKE_LFS), hsm_batch=batch))
     backend = AmlfsBackend(cfg, None)
-    infos = mf.scan(root, "m")
+    infos = commit.scan(root, "m")
     files = sum(len(c.manifest.files) + 1 for c in infos if c.manifest)
     t0 = time.monotonic()
     proofs = prove(backend, infos)

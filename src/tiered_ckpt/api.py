@@ -30,9 +30,7 @@ from tiered_ckpt import config as config_mod
 from tiered_ckpt import records
 from tiered_ckpt.distributed import detect
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import pools as staging
-from tiered_ckpt.io import reader, writer
+from tiered_ckpt.io import commit, pools, reader, writer
 from tiered_ckpt.io.layout import SAVE_ID
 from tiered_ckpt.io.nested import flatten_state
 from tiered_ckpt.io.options import IoOptions, WriteOptions
@@ -127,7 +125,7 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
            replicated: Collection[str] | None = None, archive_check: str = "required",
            made: dict[str, Any] | None = None,
            stage: Callable[[list[Source], WriteOptions, config_mod.IoConfig],
-                           tuple[list[Source], staging.BlockPool, bool]] | None = None
+                           tuple[list[Source], pools.BlockPool, bool]] | None = None
            ) -> tuple[writer.Save, config_mod.NodeConfig]:
     """Set up one rank's save; `made` (the caller's, for its error record) gets cfg, cid, save;
     `stage` (async_save's) snapshots the sources into staging memory instead of a write pool."""
@@ -155,7 +153,7 @@ def _begin(state: Mapping[str, Any], *, epoch: int | None, step: int | None, nam
         if stage is not None:
             sources, pool, background = stage(sources, opts, cfg.io)
         else:
-            pool = staging.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
+            pool = pools.pool(pool_kind, options.pool_bytes(pool_kind, cfg.io), opts.block_size)
         s = made["save"] = writer.Save(Path(cfg.root), cfg.model, cid, sources, comm, opts, pool,
                                        overwrite_incomplete=options.overwrite_incomplete, save_id=save_id,
                                        progress=progress, structure=structure, replicated=record,
@@ -360,11 +358,11 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
     called = time.monotonic()
     _previous_outcome()      # the previous save's unseen failure is its own, not logged as this one's
     made: dict[str, Any] = {}
-    snaps: list[staging.Snapshot] = []
+    snaps: list[pools.Snapshot] = []
 
     def stage(sources: list[Source], opts: WriteOptions,
-              io: config_mod.IoConfig) -> tuple[list[Source], staging.BlockPool, bool]:
-        snap = staging.snapshot(sources, budget=options.pool_bytes("staging", io), block_size=opts.block_size,
+              io: config_mod.IoConfig) -> tuple[list[Source], pools.BlockPool, bool]:
+        snap = pools.snapshot(sources, budget=options.pool_bytes("staging", io), block_size=opts.block_size,
                                 ring_bytes=min(options.pool_bytes("sync", io), opts.threads * opts.block_size),
                                 copy_threads=opts.copy_threads, timeout=opts.barrier_timeout)
         snaps.append(snap)
@@ -411,17 +409,17 @@ def async_save(state: Mapping[str, Any], *, epoch: int | None = None, step: int 
 def release_staging() -> int:
     """Free async_save's staging memory now (or when the save holding it ended); the bytes
     freed now. The next async_save maps what it needs again (a first-save cost)."""
-    return staging.release_staging()
+    return pools.release_staging()
 
 
 def latest(*, root: str | Path | None = None, model: str | None = None,
-           config: config_mod.NodeConfig | None = None) -> mf.CheckpointInfo | None:
+           config: config_mod.NodeConfig | None = None) -> commit.CheckpointInfo | None:
     """The newest committed checkpoint (by epoch, step); None if none.
 
     Directories are tried newest first by name; the first whose marker is valid and whose files
     have their listed sizes is it (older ones are not read; no index is parsed)."""
     cfg = _cfg(config, root, model)
-    got = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
+    got = commit.latest_committed(cfg.root, cfg.model, cfg.naming)
     log.debug("newest committed checkpoint of %s: %s", cfg.model, got.name if got else "none",
               extra=fields("latest", model=cfg.model, checkpoint=got.name if got else None,
                            outcome="found" if got else "none"))
@@ -446,14 +444,14 @@ def load(name: str | None = None, *, root: str | Path | None = None, model: str 
     cfg = None
     try:
         cfg = _cfg(config, root, model)
-        mf.require_root(cfg.root)
+        commit.require_root(cfg.root)
         if name is None:
-            info = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
+            info = commit.latest_committed(cfg.root, cfg.model, cfg.naming)
             if info is None:
                 raise IntegrityError(f"no committed checkpoint under {Path(cfg.root) / cfg.model}")
         else:
             require_name(name, cfg.naming)
-            found = mf.find(cfg.root, cfg.model, name, cfg.naming)
+            found = commit.find(cfg.root, cfg.model, name, cfg.naming)
             if found is None:
                 raise UserError(f"checkpoint {name} not found under {Path(cfg.root) / cfg.model} "
                                 "(tiered-ckpt list shows what is there)")

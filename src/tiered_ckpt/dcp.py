@@ -80,12 +80,12 @@ from tiered_ckpt import dcp_pickle, dcp_stage, records
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.config import load as load_config
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fill, fsafe, lock, pools
+from tiered_ckpt.io import commit, fill, fsafe, lock, mounts, pools
 from tiered_ckpt.io.claim import Claim
 from tiered_ckpt.io.fill import Pieces
 from tiered_ckpt.io.hashing import hash_path, new_hasher
 from tiered_ckpt.io.layout import SHARD, FilePlan, Segment, new_save_id
+from tiered_ckpt.io.marker import MARKER, FileEntry, Manifest
 from tiered_ckpt.io.options import IoOptions, WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline
 from tiered_ckpt.io.posix import os_error, write_small
@@ -120,7 +120,7 @@ def metadata_name(save_id: str) -> str:
     return METADATA.format(sid=save_id)
 
 
-def is_dcp_checkpoint(manifest: mf.Manifest) -> bool:
+def is_dcp_checkpoint(manifest: Manifest) -> bool:
     """Whether a committed checkpoint was written by TieredWriter (its marker lists DCP metadata)."""
     return manifest.save_id is not None and any(f.path == metadata_name(manifest.save_id) for f in manifest.files)
 
@@ -225,6 +225,22 @@ def _valid_id(checkpoint_id: Any) -> bool:
     return True
 
 
+def _which(root: str | os.PathLike[str] | None, model: str | None, name: str | None, epoch: int | None,
+           step: int | None, config: NodeConfig | None, checkpoint_id: str | os.PathLike[str] | None,
+           ) -> tuple[str, Path, str, CheckpointId, bool]:
+    """(naming, root, model, id, bound) of the checkpoint a TieredWriter or TieredReader is given.
+
+    Given nothing, it is unbound: dcp.save/load(storage_writer=TieredWriter(), checkpoint_id=path)
+    binds it later (reset)."""
+    naming = config.naming if config is not None else DEFAULT_NAMING
+    if checkpoint_id is not None:
+        return (naming, *parse_checkpoint_id(checkpoint_id, naming), True)
+    if root is None and model is None and config is None and name is None and step is None:
+        return naming, Path(), "", make_id(0, 0), False
+    r, m = _resolve(root, model, config)
+    return naming, r, m, _cid(name, epoch, step, naming), True
+
+
 def _cid(name: str | None, epoch: int | None, step: int | None, naming: str = DEFAULT_NAMING) -> CheckpointId:
     """The checkpoint's id in the model's `naming:` scheme (step alone for the step-only schemes)."""
     if name is not None:
@@ -279,18 +295,13 @@ class TieredWriter(StorageWriter):
                  checkpoint_id: str | os.PathLike[str] | None = None,
                  archive_check: str = "required") -> None:
         super().__init__()
-        self.archive: ArchiveConfig = (config if config is not None else load_config()).archive
+        node = config if config is not None else load_config()
+        self.archive: ArchiveConfig = node.archive
+        # A node config file that says amlfs: a root created here must be on Lustre (_make_root).
+        self._lustre = node.backend == "amlfs" and node.source is not None
         self.archive_check = reuse.require_archive_check(archive_check)
-        self.naming = config.naming if config is not None else DEFAULT_NAMING
-        self._bound = True
-        if checkpoint_id is not None:
-            self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
-        elif root is None and model is None and config is None and name is None and step is None:
-            # Bound later by dcp.save(storage_writer=TieredWriter(), checkpoint_id=path) (reset).
-            self.root, self.model, self.cid, self._bound = Path(), "", make_id(0, 0), False
-        else:
-            self.root, self.model = _resolve(root, model, config)
-            self.cid = _cid(name, epoch, step, self.naming)
+        self.naming, self.root, self.model, self.cid, self._bound = _which(
+            root, model, name, epoch, step, config, checkpoint_id)
         self.use_collectives = True
         iocfg = config.io if config is not None else IoConfig()
         options = options if options is not None else IoOptions()
@@ -364,7 +375,7 @@ class TieredWriter(StorageWriter):
         failed: BaseException | None = None
         if self.is_coordinator:
             try:
-                _make_root(self.root)
+                _make_root(self.root, self._lustre)
                 self._claim_name()
             except BaseException as e:  # noqa: BLE001 - raised below, after the others heard of it
                 failed = e
@@ -421,7 +432,7 @@ class TieredWriter(StorageWriter):
                 raise
         try:
             assert self.save_id is not None and self._dfd is not None
-            entries: list[mf.FileEntry] = []
+            entries: list[FileEntry] = []
             storage: dict[MetadataIndex, Any] = {}
             for rank_results in results:
                 for wr in rank_results:
@@ -441,8 +452,8 @@ class TieredWriter(StorageWriter):
                 raise os_error(e, self.path / name) from None
             h = new_hasher()
             h.update(data)
-            entries.append(mf.FileEntry(name, len(data), h.hexdigest(), 0))
-            m = mf.Manifest(epoch=self.cid.epoch, step=self.cid.step, files=entries, world_size=len(results),
+            entries.append(FileEntry(name, len(data), h.hexdigest(), 0))
+            m = Manifest(epoch=self.cid.epoch, step=self.cid.step, files=entries, world_size=len(results),
                             index={}, save_id=self.save_id)
             assert self._hold is not None and self._hold.claim is not None
             self._hold.claim.commit(m)
@@ -569,13 +580,21 @@ class TieredWriter(StorageWriter):
         return results
 
 
-def _make_root(root: Path) -> None:
-    """The checkpoint root, created like FileSystemWriter creates its directory (parents too)."""
+def _make_root(root: Path, lustre: bool) -> None:
+    """The checkpoint root, created like FileSystemWriter creates its directory (parents too);
+    with `lustre` (the node config says backend amlfs) only on a Lustre mount."""
+    m = mounts.not_lustre(root) if lustre and not root.exists() else None
+    if m is not None:
+        raise UserError(f"checkpoint root {root} does not exist, and creating it would put it on {m.point} "
+                        f"({m.fstype}), not on Lustre: the node config says backend: amlfs, so checkpoints "
+                        "there would never be archived. Mount the AMLFS file system (the node boot mounts it; "
+                        "check with findmnt -t lustre), or pass a root on it, or set backend: local for a "
+                        "directory of this machine")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise os_error(e, root) from None
-    mf.require_root(root)
+    commit.require_root(root)
 
 
 def _all_gather(obj: Any) -> list[Any]:
@@ -664,19 +683,12 @@ class TieredReader(StorageReader):
                  config: NodeConfig | None = None, verify_hash: bool = False,
                  checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
-        self.naming = config.naming if config is not None else DEFAULT_NAMING
-        self._bound = True
-        if checkpoint_id is not None:
-            self.root, self.model, self.cid = parse_checkpoint_id(checkpoint_id, self.naming)
-        elif root is None and model is None and config is None and name is None and step is None:
-            self.root, self.model, self.cid, self._bound = Path(), "", make_id(0, 0), False
-        else:
-            self.root, self.model = _resolve(root, model, config)
-            self.cid = _cid(name, epoch, step, self.naming)
+        self.naming, self.root, self.model, self.cid, self._bound = _which(
+            root, model, name, epoch, step, config, checkpoint_id)
         self.verify_hash = verify_hash
         self.io = config.io if config is not None else IoConfig()    # reader threads, block size, O_DIRECT
         self.storage_data: dict[MetadataIndex, _Stored] = {}
-        self._manifest: mf.Manifest | None = None
+        self._manifest: Manifest | None = None
         self._deferred: BaseException | None = None
         self._metadata: Metadata | None = None      # checked_metadata(), once per checkpoint
         self._hashed: set[str] = set()          # files hashed whole by this reader (old BYTE_IO items)
@@ -690,21 +702,21 @@ class TieredReader(StorageReader):
         return str(self.path) if self._bound else None
 
     @property
-    def manifest(self) -> mf.Manifest:
+    def manifest(self) -> Manifest:
         """The checkpoint's marker, checked (IntegrityError/UserError when it is not a committed DCP checkpoint)."""
         if self._manifest is None:
             self._manifest = self._check()
         return self._manifest
 
-    def _check(self) -> mf.Manifest:
+    def _check(self) -> Manifest:
         if not self._bound:
             raise UserError("TieredReader() was given no checkpoint: pass root=, model= and epoch=/step= (or name=), "
                             "or dcp.load(..., checkpoint_id='<root>/<model>/<name>')")
-        m, why = mf.read_marker_checked(self.path, anchor=self.root)
+        m, why = commit.read_marker_checked(self.path, anchor=self.root)
         if m is None:
-            raise IntegrityError(f"{self.path} is not a committed checkpoint ({why or 'no ' + mf.MARKER}); "
+            raise IntegrityError(f"{self.path} is not a committed checkpoint ({why or 'no ' + MARKER}); "
                                  "a save that did not finish is never loaded: load another checkpoint (tiered-ckpt list)")
-        problems = mf.size_problems(self.path, m, anchor=self.root)
+        problems = commit.size_problems(self.path, m, anchor=self.root)
         if problems:
             raise IntegrityError(f"{self.path} does not match its marker: {problems[0]}"
                                  + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
@@ -791,10 +803,10 @@ class TieredReader(StorageReader):
         """Whether the path is a checkpoint directory this reader serves (parse_checkpoint_id) holding a marker."""
         if not _valid_id(checkpoint_id):
             return False
-        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), mf.MARKER))
+        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MARKER))
 
     # -- ours ----------------------------------------------------------------------------
-    def _verify_hashes(self, m: mf.Manifest) -> None:
+    def _verify_hashes(self, m: Manifest) -> None:
         import torch.distributed as dist
 
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
@@ -848,7 +860,7 @@ class TieredReader(StorageReader):
         files = [f for f in self.manifest.files if f.path in pieces]
         bufs = pools.pool("read", self.io.threads * self.io.block_size, self.io.block_size)
 
-        def stream(e: mf.FileEntry, view: memoryview) -> str | None:   # every file here has pieces
+        def stream(e: FileEntry, view: memoryview) -> str | None:   # every file here has pieces
             return f"{self.path / e.path}: nothing to read"
 
         problems = fill.fill(self.path, files, pieces, pool=bufs, threads=self.io.threads, direct=self.io.direct,

@@ -70,7 +70,7 @@ from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.config import load as load_config
 from tiered_ckpt.dcp import TieredReader, TieredWriter
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.lifecycle import pins
 from tiered_ckpt.naming import CheckpointId, make_id, require_name, require_number, scheme
 
@@ -347,7 +347,7 @@ class TieredCheckpointIO(CheckpointIO):
             return                  # not one of ours by name: the reader's own message
         backend = make_backend(cfg)
         resume_point(cfg, backend, name)
-        if mf.read_marker_checked(ckpt_dir, anchor=cfg.root)[0] is not None:
+        if commit.read_marker_checked(ckpt_dir, anchor=cfg.root)[0] is not None:
             return
         restore_hint = (f"`tiered-ckpt restore {name}` brings it back from the archive (with archive: in this "
                         "plugin's config it is restored on load)")

@@ -49,9 +49,9 @@ from tiered_ckpt import replica
 from tiered_ckpt.dcp import _FILES_FQN, TieredReader, TieredWriter
 from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import commit, fsafe
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import FileEntry
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.logs import fields
 from tiered_ckpt.naming import CheckpointId, parse_in
@@ -207,7 +207,7 @@ def _replicate(cfg: config_mod.NodeConfig, name: str, comm: Comm, committed_at: 
     src = replica.source_of(rank, world, cfg.memory.peer_distance)
     if dst is None or src is None:
         return
-    info = mf.find(tm.own_root(mdir, world, rank), cfg.model, name, cfg.naming)
+    info = commit.find(tm.own_root(mdir, world, rank), cfg.model, name, cfg.naming)
     sender = replica.Sender(info if info is not None and info.committed else None, dst, comm.group)
     sender.start()
     proot = tm.peer_root(mdir, world, src)
@@ -218,7 +218,7 @@ def _replicate(cfg: config_mod.NodeConfig, name: str, comm: Comm, committed_at: 
             tm.trim(proot, cfg.model, cfg.naming, max(0, cfg.memory.keep - 1))
             d = tm.write_copy(proot, mdir, cfg.model, got, files)
             cid = parse_in(got, cfg.naming)
-            ri = mf.inspect(cfg.model, d, cid, anchor=proot) if cid is not None else None
+            ri = commit.inspect(cfg.model, d, cid, anchor=proot) if cid is not None else None
             if ri is None or not ri.committed:
                 problem = f"the replica of rank {src}'s {got} is not complete ({ri.why_not_committed if ri else 'bad name'})"
             else:
@@ -226,7 +226,7 @@ def _replicate(cfg: config_mod.NodeConfig, name: str, comm: Comm, committed_at: 
                 if bad:
                     problem = bad[0]
             if problem is not None:
-                mf.remove_checkpoint(d, anchor=proot)
+                commit.remove_checkpoint(d, anchor=proot)
         else:
             problem = f"rank {src} had no committed copy of {name} to replicate"
     except BaseException as e:  # noqa: BLE001 - reported below
@@ -295,7 +295,7 @@ def _compose(parts: list[tuple[Metadata, list[tuple[str, int, str | None]]]]) ->
 
 
 def _copy_file(src: Path, src_anchor: Path, dst_dir: Path, dst_anchor: Path, rel: str,
-               entry: mf.FileEntry) -> mf.FileEntry:
+               entry: FileEntry) -> FileEntry:
     """One memory file into the root's checkpoint directory, hashed on the way (a memory byte
     that changed since its commit is never persisted)."""
     h = new_hasher()
@@ -325,7 +325,7 @@ def _copy_file(src: Path, src_anchor: Path, dst_dir: Path, dst_anchor: Path, rel
     if n != entry.size or (entry.hash is not None and got != entry.hash):
         raise IntegrityError(f"{src / rel}: {n} bytes hashing to {got}, but its memory marker lists {entry.size} "
                              f"bytes hashing to {entry.hash}; the memory copy is damaged and was not persisted")
-    return mf.FileEntry(rel, n, got, 0)
+    return FileEntry(rel, n, got, 0)
 
 
 def persist_now(cfg: config_mod.NodeConfig, name: str, comm: Comm) -> bool:
@@ -337,14 +337,14 @@ def persist_now(cfg: config_mod.NodeConfig, name: str, comm: Comm) -> bool:
     t0 = time.monotonic()
 
     def read() -> tuple[Any, ...]:
-        info = mf.find(own, cfg.model, name, cfg.naming)
+        info = commit.find(own, cfg.model, name, cfg.naming)
         if info is None or info.manifest is None:
             raise IntegrityError(f"rank {rank} has no committed memory copy of {name} to persist "
                                  f"({info.why_not_committed if info else 'none under ' + str(own)})")
         md = TieredReader(own, cfg.model, name=name, config=cfg).read_metadata()
         done = False
         if rank == 0:
-            lus = mf.find(cfg.root, cfg.model, name, cfg.naming) if Path(cfg.root).is_dir() else None
+            lus = commit.find(cfg.root, cfg.model, name, cfg.naming) if Path(cfg.root).is_dir() else None
             done = lus is not None and lus.committed
         return md, [(f.path, f.size, f.hash) for f in info.manifest.files], done
 
@@ -367,10 +367,10 @@ def persist_now(cfg: config_mod.NodeConfig, name: str, comm: Comm) -> bool:
             w.close()
 
     comm.phase("persisting", name, claim, release)
-    entries = {p: mf.FileEntry(p, s, h, 0) for p, s, h in parts[rank][1]}
+    entries = {p: FileEntry(p, s, h, 0) for p, s, h in parts[rank][1]}
     dst = Path(cfg.root) / cfg.model / name
 
-    def copy() -> list[mf.FileEntry]:
+    def copy() -> list[FileEntry]:
         out = []
         for rel in plan.needed[rank]:
             e = _copy_file(own / cfg.model / name, own, dst, Path(cfg.root), rel, entries[rel])
@@ -379,13 +379,13 @@ def persist_now(cfg: config_mod.NodeConfig, name: str, comm: Comm) -> bool:
 
     copied = comm.phase("persisting", name, copy, release)
 
-    def commit() -> None:
+    def finish() -> None:
         if rank == 0:
             results = [res + [WriteResult(index=MetadataIndex(_FILES_FQN), size_in_bytes=0, storage_data=files)]
                        for res, files in zip(plan.results, copied, strict=True)]
             writer[0].finish(plan.metadata, results)
 
-    comm.phase("persisting", name, commit, release)
+    comm.phase("persisting", name, finish, release)
     _state["persisted"].add(name)
     stats["persists"] += 1
     log.log(logging.INFO if rank == 0 else logging.DEBUG, "memory tier: persisted %s to %s in %.2fs", name,
@@ -470,7 +470,7 @@ def _view(cfg: config_mod.NodeConfig, mdir: str, rank: int, world: int,
             for src, names in tm.held_replicas(mdir, world, cfg.model, cfg.naming).items()}
     root_latest = None
     if rank == 0 and Path(cfg.root).is_dir():
-        info = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
+        info = commit.latest_committed(cfg.root, cfg.model, cfg.naming)
         root_latest = info.name if info is not None else None
     return {"own": own, "held": held, "root": root_latest}
 
@@ -520,7 +520,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
                 continue
             h = holder
             if rank == h:
-                info = mf.find(tm.peer_root(mdir, world, r), cfg.model, best, cfg.naming)
+                info = commit.find(tm.peer_root(mdir, world, r), cfg.model, best, cfg.naming)
                 bad = tm.hash_problems(info) if info is not None and info.committed else ["replica not committed"]
                 if bad:
                     log.warning("memory tier: the replica of rank %d's %s failed verification (%s); rank %d falls back "
@@ -543,7 +543,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
                     problem = f"pulling {best} from rank {h} failed: {e}"
         path = own / cfg.model / best
         if problem is None:
-            info = mf.inspect(cfg.model, path, cid_of(best), anchor=own)
+            info = commit.inspect(cfg.model, path, cid_of(best), anchor=own)
             if not info.committed:
                 problem = f"{path}: {info.why_not_committed or 'not committed'}"
             else:
@@ -557,7 +557,7 @@ def restore(cfg: config_mod.NodeConfig, load: Callable[[Path, str], Any]) -> tup
                         extra=fields("memory restore", model=cfg.model, checkpoint=best, outcome="fallback",
                                      tier=tier, rank=rank, reason=problem))
             if os.path.lexists(path):
-                mf.remove_checkpoint(path, anchor=own)
+                commit.remove_checkpoint(path, anchor=own)
         outcomes = comm.exchange(problem)
         failed = [r for r, p in enumerate(outcomes) if p is not None]
         if failed:
@@ -597,7 +597,7 @@ def latest(cfg: config_mod.NodeConfig, rank: int = 0, world: int = 1) -> tuple[s
                 if cid is not None:
                     found.append((cid, names[-1], PEER))
     if Path(cfg.root).is_dir():
-        info = mf.latest_committed(cfg.root, cfg.model, cfg.naming)
+        info = commit.latest_committed(cfg.root, cfg.model, cfg.naming)
         if info is not None:
             found.append((info.id, info.name, LUSTRE))
     if not found:

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import commit, fsafe
+from tiered_ckpt.io.marker import MARKER
 
 CHUNK = 64 << 20
 _MAX_HEADER = 64 << 20
@@ -103,14 +103,14 @@ def _recv_bytes(src: int, g: Any, limit: int) -> bytes:
     return buf.numpy().tobytes()
 
 
-def send_copy(info: mf.CheckpointInfo, dst: int, g: Any) -> int:
+def send_copy(info: commit.CheckpointInfo, dst: int, g: Any) -> int:
     """Send one committed copy to rank `dst`; the bytes sent."""
     assert info.manifest is not None
     listed = [(f.path, f.size) for f in info.manifest.files]
-    marker = mf.marker_bytes(info.path, anchor=info.path.parent.parent)
+    marker = commit.marker_bytes(info.path, anchor=info.path.parent.parent)
     if marker is None:      # removed since the scan: this copy is not committed any more
-        raise FileNotFoundError(f"{info.path / mf.MARKER}: removed since the scan")
-    header = pickle.dumps({"name": info.name, "files": listed + [(mf.MARKER, len(marker))]})
+        raise FileNotFoundError(f"{info.path / MARKER}: removed since the scan")
+    header = pickle.dumps({"name": info.name, "files": listed + [(MARKER, len(marker))]})
     _send_bytes(header, dst, g)
     sent = 0
     for rel, size in listed:
@@ -156,7 +156,7 @@ class Sender(threading.Thread):
     """Sends one copy while the calling thread receives another (a ring: everyone sends and
     receives at once, so sends must not block the receive)."""
 
-    def __init__(self, info: mf.CheckpointInfo | None, dst: int, g: Any) -> None:
+    def __init__(self, info: commit.CheckpointInfo | None, dst: int, g: Any) -> None:
         super().__init__(daemon=True, name="tiered-ckpt-replica-send")
         self.info, self.dst, self.g = info, dst, g
         self.error: BaseException | None = None

@@ -26,7 +26,7 @@ from tiered_ckpt.cli.output import progress_bars
 from tiered_ckpt.cli.timeline import draw
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig, RetentionConfig, validate
 from tiered_ckpt.errors import ConflictError, IntegrityError, UnavailableError, UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.lifecycle import retention
 from tiered_ckpt.lifecycle import timeline as toolkit_timeline
 from tiered_ckpt.lifecycle.exporter import Exporter
@@ -168,7 +168,7 @@ class Demo:
             pending = [r for r in self.reports.values() if r.archived_after_seconds is None]
         if not pending:
             return
-        infos = [c for c in mf.scan(cfg.root, cfg.model, cfg.naming) if c.name in {r.name for r in pending}]
+        infos = [c for c in commit.scan(cfg.root, cfg.model, cfg.naming) if c.name in {r.name for r in pending}]
         proofs = prove(backend, infos)
         now = self.now()
         with self.lock:

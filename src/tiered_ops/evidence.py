@@ -22,9 +22,9 @@ from typing import Any
 
 from tiered_ckpt.cli.output import byte_progress, human_bytes
 from tiered_ckpt.errors import ConfigError, UnavailableError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import commit, fsafe
 from tiered_ckpt.io.hashing import hash_file, new_hasher
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.tiers.arm import AmlfsJobs, AmlfsTarget, ArmNotFoundError
 from tiered_ops.gate import EXPORT_NOT_FOUND, CheckpointRecord, Evidence, ExportState, ManualArchive
 from tiered_ops.teardown_state import Journal, Options
@@ -102,14 +102,14 @@ def lustre_checkpoints(mount: Path, prefix: str, *, hash_unhashed: bool = False
     for model in models:
         # Every model, whatever its `naming:` (not known here): a directory canonical in any
         # built-in scheme is checked, so none is torn down unarchived for being named differently.
-        for info in mf.scan(root, model, None):
+        for info in commit.scan(root, model, None):
             if info.manifest is None:
                 uncommitted.append(f"{model}/{info.name}")
                 continue
-            marker = info.path / mf.MARKER
+            marker = info.path / MARKER
             try:
                 st = os.lstat(marker)
-                data = mf.marker_bytes(info.path, anchor=root)
+                data = commit.marker_bytes(info.path, anchor=root)
                 if data is None:
                     raise FileNotFoundError(errno.ENOENT, "no marker", str(marker))
             except OSError as e:      # deleted or replaced since the scan: not committed now
@@ -337,7 +337,7 @@ class Collector:
         """xxh3 of each Lustre checkpoint's marker as Blob holds it (downloaded: markers are small)."""
         out: dict[str, str | None] = {}
         for rec in records:
-            rel = f"{rec.model}/{rec.name}/{mf.MARKER}"
+            rel = f"{rec.model}/{rec.name}/{MARKER}"
             if rel not in view.infos:
                 continue
             got = self._cached(rel, view, lambda r: download_hash(self.store(), r, concurrency=1))

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tiered_ckpt.io.commit import MARKER
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.tiers.arm_model import ADMIN_ENABLE, ARCHIVE_COMPLETED, AUTOEXPORT_DISABLED, AUTOEXPORT_RUNNING
 
 # ExportState.state when ARM has no auto-export job by that name (not an ARM state: a 404).

@@ -26,7 +26,7 @@ import yaml
 
 from tests.cluster.slurm import LocalSlurm, _free_ports
 from tiered_ckpt.config import ArchiveConfig, NodeConfig, RetentionConfig, dump
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.restore import archive_committed
 from tiered_ckpt.tiers.blob import BlobStore
@@ -81,7 +81,7 @@ class Harness:
 
     # -- the tiers ----------------------------------------------------------------------------
     def local_steps(self) -> list[int]:
-        return [c.manifest.step for c in mf.committed(mf.scan(self.cfg.root, MODEL)) if c.manifest]
+        return [c.manifest.step for c in commit.committed(commit.scan(self.cfg.root, MODEL)) if c.manifest]
 
     def archive_steps(self) -> list[int]:
         return [m.step for m in archive_committed(BlobStore(self.cfg.archive), MODEL)]

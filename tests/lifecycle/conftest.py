@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from azure.storage.blob import ContainerClient
 
-from tests.lifecycle.helpers import amlfs_cfg
+from tests.lifecycle.helpers import amlfs_cfg, local_cfg
 from tiered_ckpt.tiers.blob import BlobStore
 
 
@@ -30,3 +30,14 @@ def aml(tmp_path: Path, azurite_container: tuple[str, str], fake_lfs: Path):
     cfg = amlfs_cfg(root, conn, container, batch=4, keep_last=1, min_keep=1)
     store = BlobStore(cfg.archive, backoff=0.01)
     return cfg, store, ContainerClient.from_connection_string(conn, container), fake_lfs
+
+
+@pytest.fixture
+def local_env(tmp_path: Path, azurite_container: tuple[str, str]):
+    """(config, store, container client) of the local back-end over a fresh root and container,
+    retention keeping one checkpoint."""
+    conn, container = azurite_container
+    root = tmp_path / "lustre"
+    root.mkdir()
+    cfg = local_cfg(root, conn, container, keep_last=1, min_keep=1)
+    return cfg, BlobStore(cfg.archive, backoff=0.01), ContainerClient.from_connection_string(conn, container)

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, NodeConfig, RetentionConfig
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.commit import write_marker
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import FileEntry, Manifest
 from tiered_ckpt.tiers.backends import AmlfsBackend
 from tiered_ckpt.tiers.blob import BlobStore
 
@@ -31,12 +32,12 @@ def make_checkpoint(root: str | os.PathLike[str], model: str, epoch: int, step: 
         p.write_bytes(data)
         h = new_hasher()
         h.update(data)
-        entries.append(mf.FileEntry(rel, len(data), h.hexdigest()))
+        entries.append(FileEntry(rel, len(data), h.hexdigest()))
     if commit:
-        m = mf.Manifest(epoch=epoch, step=step, files=entries)
+        m = Manifest(epoch=epoch, step=step, files=entries)
         if created_utc:
             m.created_utc = created_utc
-        mf.write_marker(d, m)
+        write_marker(d, m)
     return d
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.lifecycle.helpers import local_cfg, make_checkpoint
 from tiered_ckpt.config import dump
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.tiers.blob import BlobStore
 
@@ -130,7 +130,7 @@ def test_archive_retention_keeps_a_checkpoint_a_restore_is_reading(only_in_archi
     Path(flags["go"]).touch()
     assert _out(rst) == {"ok": True, "source": "archive"}
     d = Path(cfg.root) / "m" / name
-    assert mf.read_marker(d) is not None and (d / "a.bin").read_bytes() == originals[1]
+    assert commit.read_marker(d) is not None and (d / "a.bin").read_bytes() == originals[1]
 
 
 @pytest.mark.timeout(300)
@@ -144,7 +144,7 @@ def test_a_restore_that_starts_while_archive_retention_deletes_the_checkpoint_st
     r = _out(rst)
     assert r["ok"] is False and "archive retention started deleting" in r["error"], r
     assert not Path(flags["reading"]).exists()                       # it never started reading
-    assert mf.read_marker(Path(cfg.root) / "m" / name) is None        # nothing looks restored
+    assert commit.read_marker(Path(cfg.root) / "m" / name) is None        # nothing looks restored
     Path(flags["go"]).touch()
     got = _out(ret)
     assert got[name][0] == "delete"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.lifecycle.helpers import local_cfg
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.proof import prove
@@ -45,7 +45,7 @@ def test_dcp_checkpoint_is_exported_proven_deleted_restored_and_loads_bit_exact(
     store = BlobStore(cfg.archive, backoff=0.01)
     for step in (1, 2, 3):
         dcp.save(_state(step), storage_writer=TieredWriter(str(root), "m", epoch=0, step=step))
-    infos = mf.scan(root, "m")
+    infos = commit.scan(root, "m")
     assert [c.name for c in infos] == [f"global_epoch0_step{s}" for s in (1, 2, 3)] and all(c.committed for c in infos)
 
     Exporter(cfg, store, status_path=tmp_path / "st.json").iterate()

@@ -21,7 +21,7 @@ from azure.storage.blob import ContainerClient
 
 from tests.lifecycle.helpers import local_cfg, make_checkpoint
 from tiered_ckpt.config import dump
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.tiers.blob import BlobStore
 
@@ -141,7 +141,7 @@ def test_an_invalid_marker_in_blob_is_never_restored_nor_breaks_status_or_retent
     m = json.loads(cc.download_blob(marker).readall())
     m["created_utc"] = 5
     cc.upload_blob(marker, json.dumps(m).encode(), overwrite=True)
-    mf.remove_checkpoint(newer)                 # now only the archive holds step20, with a bad marker
+    commit.remove_checkpoint(newer)                 # now only the archive holds step20, with a bad marker
 
     rc, out = cli_json(conf, "restore", "--latest")
     assert rc == 0 and out["name"] == "global_epoch0_step10" and out["source"] == "resident", out
@@ -150,7 +150,7 @@ def test_an_invalid_marker_in_blob_is_never_restored_nor_breaks_status_or_retent
     rc, out = cli_json(conf, "retention", "plan")
     assert rc == 0 and [c["name"] for c in out["checkpoints"]] == ["global_epoch0_step10"], out
 
-    mf.remove_checkpoint(Path(cfg.root) / "m" / "global_epoch0_step10")   # wiped: the archive is all there is
+    commit.remove_checkpoint(Path(cfg.root) / "m" / "global_epoch0_step10")   # wiped: the archive is all there is
     rc, out = cli_json(conf, "restore", "--latest")
     assert rc == 0 and out["name"] == "global_epoch0_step10" and out["source"] == "archive", out
     assert not (Path(cfg.root) / "m" / "global_epoch0_step20").exists()

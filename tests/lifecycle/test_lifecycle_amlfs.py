@@ -16,7 +16,7 @@ from tests.lifecycle.helpers import FAKE_LFS, amlfs_cfg, auto_export, backend_of
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.config import dump
 from tiered_ckpt.errors import UnavailableError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.proof import prove
 from tiered_ckpt.lifecycle.restore import restore
@@ -31,7 +31,7 @@ def test_proof_is_batched_and_needs_lfs_and_blob(aml) -> None:
         make_checkpoint(cfg.root, "m", 0, s, files={f"r{i} x:y.bin": os.urandom(100) for i in range(5)})
     auto_export(cfg.root, store)
     count.unlink()
-    infos = mf.scan(cfg.root, "m")
+    infos = commit.scan(cfg.root, "m")
     proofs = prove(backend_of(cfg, store), infos)
     assert all(p.archived for p in proofs.values())
     assert lfs_calls(count, "hsm_state") == math.ceil(12 / 4)           # 2 x (5 data + marker), batch 4
@@ -65,7 +65,7 @@ def test_unreachable_archive_proves_nothing_and_unconfigured_archive_uses_lfs_on
         store.service.url.split(":")[2].split("/")[0], "1")})
     with pytest.raises(UnavailableError):
         ret.apply(dead, backend_of(dead, BlobStore(dead.archive, backoff=0.01)), ret.Policy(keep_last=1, min_keep=1))
-    assert len(mf.committed(mf.scan(cfg.root, "m"))) == 2
+    assert len(commit.committed(commit.scan(cfg.root, "m"))) == 2
     lfs_only = amlfs_cfg(Path(cfg.root), None, batch=4)
     res = ret.apply(lfs_only, backend_of(lfs_only, None), ret.Policy(keep_last=1, min_keep=1))
     assert res.done == ["delete global_epoch0_step10"]
@@ -104,7 +104,7 @@ def test_restore_deleted_checkpoint_through_an_import_job(aml, arm_env, capsys, 
     assert ret.apply(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).done == ["delete global_epoch0_step10"]
     arm_env.scenario.import_hook = import_hook(cfg, store)
     r = restore(cfg, backend, "global_epoch0_step10", verify=True)
-    assert r.source == "archive" and mf.find(cfg.root, "m", r.name).committed  # type: ignore[union-attr]
+    assert r.source == "archive" and commit.find(cfg.root, "m", r.name).committed  # type: ignore[union-attr]
     jobs = list(arm_env.import_jobs().values())
     assert jobs[0]["properties"]["importPrefixes"] == ["/checkpoints/m/global_epoch0_step10/"]
     assert arm_env.kinds("autoexport.patch") == ["autoexport.patch:Disable", "autoexport.patch:Enable"]
@@ -131,7 +131,7 @@ def test_import_that_does_not_complete_fails_restore_and_reenables_autoexport(am
     out = json.loads(capsys.readouterr().out)
     assert rc != 0 and result in out["error"]
     assert arm_env.kinds("autoexport.patch")[-1] == "autoexport.patch:Enable"
-    assert mf.find(cfg.root, "m", "global_epoch0_step10") is None or not mf.find(cfg.root, "m", "global_epoch0_step10").committed  # type: ignore[union-attr]
+    assert commit.find(cfg.root, "m", "global_epoch0_step10") is None or not commit.find(cfg.root, "m", "global_epoch0_step10").committed  # type: ignore[union-attr]
 
 
 def test_release_on_local_backend_is_refused_clearly(aml, capsys) -> None:

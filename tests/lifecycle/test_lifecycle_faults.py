@@ -9,7 +9,8 @@ from azure.storage.blob import BlobServiceClient
 
 from tests.lifecycle.helpers import local_cfg, make_checkpoint
 from tiered_ckpt.errors import UnavailableError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.restore import restore
@@ -37,7 +38,7 @@ def test_archive_unreachable_mid_proof_deletes_nothing(private_azurite: Azurite,
     private_azurite.stop()
     with pytest.raises(UnavailableError, match="unreachable.*failed 2 times.*nothing was deleted"):
         ret.apply(cfg, LocalBackend(cfg, store), ret.Policy(keep_last=1, min_keep=1))
-    assert [c.name for c in mf.committed(mf.scan(cfg.root, "m"))] == [
+    assert [c.name for c in commit.committed(commit.scan(cfg.root, "m"))] == [
         "global_epoch0_step10", "global_epoch0_step20", "global_epoch0_step30"]
 
 
@@ -59,8 +60,8 @@ def test_archive_unreachable_mid_restore_leaves_nothing_that_looks_complete(priv
         restore(cfg, LocalBackend(cfg, store), None, progress=stop_after_first_bytes)
     assert seen[0] > 0
     d = Path(cfg.root) / "m" / "global_epoch0_step10"
-    assert not (d / mf.MARKER).exists()
-    assert mf.latest_committed(cfg.root, "m") is None
+    assert not (d / MARKER).exists()
+    assert commit.latest_committed(cfg.root, "m") is None
 
 
 def test_restart_uses_the_resident_newest_when_the_archive_is_down(private_azurite: Azurite, tmp_path: Path) -> None:

@@ -14,8 +14,9 @@ from tests.lifecycle.helpers import REPO, local_cfg, make_checkpoint
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.config import dump
 from tiered_ckpt.errors import ConflictError, IntegrityError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.lock import exclusive, lock_path
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter, read_status
 from tiered_ckpt.lifecycle.proof import prove
@@ -50,7 +51,7 @@ def test_exporter_copies_new_and_changed_files_and_never_deletes(env, tmp_path: 
     assert "checkpoints/m/global_epoch0_step10/COMMITTED.json" in names
     assert "checkpoints/m/global_epoch0_step20/rank0_shard0.bin" in names
     props = cc.get_blob_client("checkpoints/m/global_epoch0_step10/rank0_shard0.bin").get_blob_properties()
-    assert props.metadata[META_HASH] == mf.read_marker(d).files[0].hash   # type: ignore[union-attr]
+    assert props.metadata[META_HASH] == commit.read_marker(d).files[0].hash   # type: ignore[union-attr]
     assert ex.iterate().files_discovered == 0                          # nothing changed
     # A file still being written: exported as it was, then again once it changed.
     (inflight / "rank0_shard0.bin").write_bytes(b"longer content now")
@@ -58,7 +59,7 @@ def test_exporter_copies_new_and_changed_files_and_never_deletes(env, tmp_path: 
     assert it.exported == ["m/global_epoch0_step20/rank0_shard0.bin"]
     assert cc.download_blob("checkpoints/m/global_epoch0_step20/rank0_shard0.bin").readall() == b"longer content now"
     # Deletes are not propagated.
-    mf.remove_checkpoint(d)
+    commit.remove_checkpoint(d)
     ex.iterate()
     assert "checkpoints/m/global_epoch0_step10/rank0_shard0.bin" in blob_names(cc)
     st = read_status(tmp_path / "st.json")
@@ -69,7 +70,7 @@ def test_local_proof_size_and_hash(env) -> None:
     cfg, store, cc = env
     d = make_checkpoint(cfg.root, "m", 0, 10)
     backend = LocalBackend(cfg, store)
-    infos = mf.scan(cfg.root, "m")
+    infos = commit.scan(cfg.root, "m")
     assert not prove(backend, infos)["global_epoch0_step10"].archived      # nothing exported yet
     Exporter(cfg, store, status_path=Path(cfg.root).parent / "s.json").iterate()
     assert prove(backend, infos)["global_epoch0_step10"].archived
@@ -98,20 +99,20 @@ def test_retention_apply_end_to_end_and_restore_latest_after_wipe(env, tmp_path:
     assert pl["global_epoch0_step50"].action == "skip"
     res = ret.apply(cfg, backend, policy)
     assert sorted(res.done) == ["delete global_epoch0_step10", "delete global_epoch0_step20"]
-    left = {c.name for c in mf.scan(cfg.root, "m")}
+    left = {c.name for c in commit.scan(cfg.root, "m")}
     assert left == {"global_epoch0_step5", "global_epoch0_step30", "global_epoch0_step40", "global_epoch0_step50"}
     assert "checkpoints/m/global_epoch0_step10/COMMITTED.json" in blob_names(cc)  # archive keeps everything
     assert ret.apply(cfg, backend, policy).done == []                    # idempotent
     # Restoring the deleted one by name comes from the archive, marker last, hashes verified.
     r = restore(cfg, backend, "global_epoch0_step10", verify=True)
-    assert r.source == "archive" and mf.find(cfg.root, "m", "global_epoch0_step10").committed  # type: ignore[union-attr]
+    assert r.source == "archive" and commit.find(cfg.root, "m", "global_epoch0_step10").committed  # type: ignore[union-attr]
     # Lose the accelerator layer, then restore the newest committed anywhere.
     import shutil
 
     shutil.rmtree(cfg.root)
     r = restore(cfg, backend, None, verify=True)
     assert (r.name, r.source, r.verified) == ("global_epoch0_step40", "archive", True)
-    assert mf.latest_committed(cfg.root, "m").name == "global_epoch0_step40"  # type: ignore[union-attr]
+    assert commit.latest_committed(cfg.root, "m").name == "global_epoch0_step40"  # type: ignore[union-attr]
     assert restore(cfg, backend, None).source == "resident"
     # Nothing restored is uploaded again: data files keep their exported mtime, and the marker (rewritten
     # with the archive's bytes) is recognised by its hash.
@@ -141,8 +142,8 @@ def test_hash_mismatch_on_restore_names_the_file_and_leaves_no_marker(env, tmp_p
     shutil.rmtree(cfg.root)
     with pytest.raises(IntegrityError, match="rank0_shard1.bin"):
         restore(cfg, LocalBackend(cfg, store), None, verify=True)
-    assert not (Path(cfg.root) / "m" / "global_epoch0_step10" / mf.MARKER).exists()
-    assert mf.latest_committed(cfg.root, "m") is None
+    assert not (Path(cfg.root) / "m" / "global_epoch0_step10" / MARKER).exists()
+    assert commit.latest_committed(cfg.root, "m") is None
 
 
 def test_lock_held_by_another_process_is_a_conflict(env) -> None:
@@ -185,15 +186,15 @@ def test_sigkill_mid_apply_then_rerun_finishes(env, tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == -9
     victim = Path(cfg.root) / "m" / "global_epoch0_step10"
-    assert victim.exists() and not (victim / mf.MARKER).exists()
+    assert victim.exists() and not (victim / MARKER).exists()
     backend = LocalBackend(cfg, store)
-    assert mf.latest_committed(cfg.root, "m").name == "global_epoch0_step30"  # type: ignore[union-attr]
+    assert commit.latest_committed(cfg.root, "m").name == "global_epoch0_step30"  # type: ignore[union-attr]
     assert choose(cfg, backend, "global_epoch0_step10").where == "archive"        # never taken as resident
     # Restoring it instead of finishing the delete: the journal entry goes, and retention
     # no longer sees an interrupted delete (it is committed again).
     restore(cfg, backend, "global_epoch0_step10", verify=True)
     assert not (Path(cfg.root) / "m" / ".retention-journal" / "global_epoch0_step10.deleting").exists()
-    mf.remove_checkpoint(victim)     # as it was: half-deleted, journal entry back
+    commit.remove_checkpoint(victim)     # as it was: half-deleted, journal entry back
     (victim / "f0.bin").parent.mkdir(parents=True, exist_ok=True)
     (victim / "f0.bin").write_bytes(b"x" * 100)
     (Path(cfg.root) / "m" / ".retention-journal" / "global_epoch0_step10.deleting").write_text("t")
@@ -201,7 +202,7 @@ def test_sigkill_mid_apply_then_rerun_finishes(env, tmp_path: Path) -> None:
     assert plan["global_epoch0_step10"] == "resume-delete"
     rc = cli.main(["retention", "apply", "--config", str(cfg_file), "--json"])
     assert rc == 0
-    assert {c.name for c in mf.scan(cfg.root, "m")} == {"global_epoch0_step30"}
+    assert {c.name for c in commit.scan(cfg.root, "m")} == {"global_epoch0_step30"}
     assert not any((Path(cfg.root) / "m" / ".retention-journal").iterdir())
 
 
@@ -254,7 +255,7 @@ def test_exporter_tolerates_files_deleted_under_it(env, tmp_path: Path, monkeypa
 
     def discover_then_delete():
         todo = real()
-        mf.remove_checkpoint(d)
+        commit.remove_checkpoint(d)
         return todo
 
     monkeypatch.setattr(ex, "discover", discover_then_delete)
@@ -343,7 +344,7 @@ def test_restore_onto_a_full_disk_is_one_user_error(env, monkeypatch: pytest.Mon
     cfg, store, _ = env
     d = make_checkpoint(cfg.root, "m", 0, 10)
     Exporter(cfg, store, status_path=Path(cfg.root).parent / "st.json").iterate()
-    mf.remove_checkpoint(d)
+    commit.remove_checkpoint(d)
     real = store.download_file
 
     def full(rel: str, dest: str, *a, **k):
@@ -354,7 +355,7 @@ def test_restore_onto_a_full_disk_is_one_user_error(env, monkeypatch: pytest.Mon
     monkeypatch.setattr(store, "download_file", full)
     with pytest.raises(UserError, match=r"no space left writing .*global_epoch0_step10.*retention"):
         restore(cfg, LocalBackend(cfg, store))
-    assert mf.read_marker(d) is None and mf.latest_committed(cfg.root, "m") is None
+    assert commit.read_marker(d) is None and commit.latest_committed(cfg.root, "m") is None
 
 
 def test_export_of_a_missing_root_is_refused(env, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -376,7 +377,7 @@ def test_exporter_never_uploads_a_checkpoint_while_restore_downloads_it(env, tmp
     ex = Exporter(cfg, store, status_path=tmp_path / "st.json")
     ex.iterate()
     good = cc.download_blob("checkpoints/m/global_epoch0_step10/a.bin").readall()
-    mf.remove_checkpoint(d)
+    commit.remove_checkpoint(d)
     real = store.download_file
     seen: list[int] = []
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from azure.storage.blob import ContainerClient
 
-from tests.lifecycle.helpers import local_cfg, make_checkpoint
+from tests.lifecycle.helpers import make_checkpoint
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER, MAX_MARKER_BYTES
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.restore import choose
 from tiered_ckpt.tiers.backends import LocalBackend
-from tiered_ckpt.tiers.blob import BlobStore
 from tiered_ops.evidence import lustre_checkpoints
 
 # Above the 64 MiB that restore, retention and teardown once used, below the protocol's limit: a
@@ -24,26 +23,17 @@ LARGE = (65 << 20)
 
 def _pad(ckpt_dir: Path, size: int) -> None:
     """Grow the marker to `size` bytes with JSON whitespace: the same document, still valid."""
-    p = ckpt_dir / mf.MARKER
+    p = ckpt_dir / MARKER
     data = p.read_bytes()
     p.write_bytes(data + b" " * (size - len(data)))
 
 
-@pytest.fixture
-def env(tmp_path: Path, azurite_container: tuple[str, str]):
-    conn, container = azurite_container
-    root = tmp_path / "lustre"
-    root.mkdir()
-    cfg = local_cfg(root, conn, container, keep_last=1, min_keep=1)
-    return cfg, BlobStore(cfg.archive, backoff=0.01), ContainerClient.from_connection_string(conn, container)
-
-
-def test_a_large_marker_is_committed_for_every_reader(env, tmp_path: Path) -> None:
-    cfg, store, cc = env
+def test_a_large_marker_is_committed_for_every_reader(local_env, tmp_path: Path) -> None:
+    cfg, store, _ = local_env
     big = make_checkpoint(cfg.root, "m", 0, 10)
     make_checkpoint(cfg.root, "m", 0, 20)
     _pad(big, LARGE)
-    assert mf.find(cfg.root, "m", big.name).committed          # type: ignore[union-attr]
+    assert commit.find(cfg.root, "m", big.name).committed          # type: ignore[union-attr]
     backend = LocalBackend(cfg, store)
     # restore finds it on the accelerator layer (nothing is in the archive yet)
     assert choose(cfg, backend, big.name).where == "accelerator"
@@ -56,11 +46,11 @@ def test_a_large_marker_is_committed_for_every_reader(env, tmp_path: Path) -> No
     assert res.done == [f"delete {big.name}"], res
 
 
-def test_a_marker_over_the_limit_is_not_committed_for_any_reader(env, tmp_path: Path) -> None:
-    cfg, store, _ = env
+def test_a_marker_over_the_limit_is_not_committed_for_any_reader(local_env, tmp_path: Path) -> None:
+    cfg, store, _ = local_env
     big = make_checkpoint(cfg.root, "m", 0, 10)
-    _pad(big, mf.MAX_MARKER_BYTES + 1)
-    info = mf.find(cfg.root, "m", big.name)
+    _pad(big, MAX_MARKER_BYTES + 1)
+    info = commit.find(cfg.root, "m", big.name)
     assert info is not None and not info.committed and "larger than" in (info.why_not_committed or "")
     with pytest.raises(UserError):
         choose(cfg, LocalBackend(cfg, store), big.name)

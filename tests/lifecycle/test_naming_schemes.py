@@ -17,9 +17,9 @@ from tiered_ckpt import naming
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.config import dump, load
 from tiered_ckpt.errors import ConfigError, UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.hashing import new_hasher
-from tiered_ckpt.io.marker import InvalidMarker, parse_marker
+from tiered_ckpt.io.marker import MARKER, FileEntry, InvalidMarker, Manifest, parse_marker
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.restore import restore
@@ -50,7 +50,7 @@ def _decoy(model_dir: Path, name: str, epoch: int, step: int) -> None:
     (d / "x.bin").write_bytes(data)
     h = new_hasher()
     h.update(data)
-    mf.write_marker(d, mf.Manifest(epoch=epoch, step=step, files=[mf.FileEntry("x.bin", len(data), h.hexdigest())]))
+    commit.write_marker(d, Manifest(epoch=epoch, step=step, files=[FileEntry("x.bin", len(data), h.hexdigest())]))
 
 
 @pytest.mark.parametrize("scheme", list(CASES))
@@ -74,7 +74,7 @@ def test_scheme_orders_list_retention_and_restore(scheme: str, tmp_path: Path, a
     newest = ordered[-1]
 
     # native API and the list command: this scheme's names only, (epoch, step) order
-    assert [c.name for c in mf.scan(root, "m", scheme)] == ordered
+    assert [c.name for c in commit.scan(root, "m", scheme)] == ordered
     info = tc.latest(config=cfg)
     assert info is not None and info.name == newest
     assert np.array_equal(np.frombuffer(tc.load(config=cfg)["w"], np.uint8), datas[newest])
@@ -99,10 +99,10 @@ def test_scheme_orders_list_retention_and_restore(scheme: str, tmp_path: Path, a
     assert [c.name for c in gather(backend).checkpoints] == ordered
     assert sorted(ret.apply(cfg, backend, ret.Policy(keep_last=1, min_keep=1)).done) == sorted(f"delete {n}" for n in ordered[:-1])
     for name in decoys:                                  # not this model's checkpoints: never touched
-        assert (root / "m" / name / mf.MARKER).exists()
+        assert (root / "m" / name / MARKER).exists()
 
     # all local copies gone: restore --latest picks the archive's newest of this scheme
-    mf.remove_checkpoint(root / "m" / newest)
+    commit.remove_checkpoint(root / "m" / newest)
     st = gather(backend)
     assert [(c.name, c.tier) for c in st.checkpoints] == [(n, "only in archive") for n in ordered]
     assert cli.main(["restore", "--latest", "--json"]) == 0
@@ -139,7 +139,7 @@ def test_names_are_canonical_per_scheme() -> None:
     # the pattern is accepted as the `naming:` value too
     assert naming.scheme("iter_{N:07d}").key == "megatron"
     # the marker must name the directory's epoch/step, whatever the scheme
-    m = mf.Manifest(epoch=0, step=9, files=[mf.FileEntry("a", 1, None)])
+    m = Manifest(epoch=0, step=9, files=[FileEntry("a", 1, None)])
     assert parse_marker(m.to_json(), "step-9").name == "step-9"
     with pytest.raises(InvalidMarker, match="names checkpoint step-9, but it is in 'step-10'"):
         parse_marker(m.to_json(), "step-10")

@@ -14,8 +14,9 @@ from tests.lifecycle.helpers import auto_export, backend_of, import_hook, local_
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.config import dump
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import MARKER, FileEntry, Manifest
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.lifecycle.restore import restore
 from tiered_ckpt.tiers.backends import LocalBackend
@@ -41,7 +42,7 @@ def xxh(data: bytes) -> str:
 
 
 def marker_of(files: dict[str, bytes], *, hashed: bool = True, **extra: object) -> bytes:
-    m = mf.Manifest(epoch=0, step=10, files=[mf.FileEntry(p, len(b), xxh(b) if hashed else None) for p, b in files.items()])
+    m = Manifest(epoch=0, step=10, files=[FileEntry(p, len(b), xxh(b) if hashed else None) for p, b in files.items()])
     d = json.loads(m.to_json())
     d.update(extra)
     return json.dumps(d, indent=1, sort_keys=True).encode()
@@ -57,8 +58,8 @@ def ckpt_dir(cfg) -> Path:
 
 def assert_nothing_committed(cfg) -> None:
     d = ckpt_dir(cfg)
-    assert not os.path.lexists(d / mf.MARKER)
-    assert mf.latest_committed(cfg.root, "m") is None
+    assert not os.path.lexists(d / MARKER)
+    assert commit.latest_committed(cfg.root, "m") is None
     assert not d.exists() or not [p for p in d.iterdir() if p.name.endswith(".restoring")]
 
 
@@ -80,7 +81,7 @@ def test_mixed_generation_in_the_archive_is_refused(env, tmp_path: Path, capsys:
     """Blob as a re-save left it: generation 1's marker, one shard overwritten by generation 2."""
     cfg, _, cc = env
     v1 = {"shard-r00000-000.bin": os.urandom(150_000), "shard-r00001-000.bin": os.urandom(150_000)}
-    cc.upload_blob(f"{PREFIX}/{mf.MARKER}", marker_of(v1))
+    cc.upload_blob(f"{PREFIX}/{MARKER}", marker_of(v1))
     cc.upload_blob(f"{PREFIX}/shard-r00000-000.bin", v1["shard-r00000-000.bin"])
     cc.upload_blob(f"{PREFIX}/shard-r00001-000.bin", os.urandom(150_000))   # generation 2, same size
     cfg_file = tmp_path / "config.yaml"
@@ -96,16 +97,16 @@ def test_save_id_names_restore_exactly_the_marker_generation(env, tmp_path: Path
     cfg, store, cc = env
     v1 = {"shard-r00000-000.aaaa1.bin": os.urandom(120_000), "rank00000.aaaa1.part.json": b"{}"}
     # The marker's "save_id" key arrives with the writer's naming; until then the names alone carry it.
-    data = marker_of(v1, **({"save_id": "aaaa1"} if "save_id" in mf.Manifest.__dataclass_fields__ else {}))
-    cc.upload_blob(f"{PREFIX}/{mf.MARKER}", data)
+    data = marker_of(v1, **({"save_id": "aaaa1"} if "save_id" in Manifest.__dataclass_fields__ else {}))
+    cc.upload_blob(f"{PREFIX}/{MARKER}", data)
     for p, b in v1.items():
         cc.upload_blob(f"{PREFIX}/{p}", b)
     cc.upload_blob(f"{PREFIX}/shard-r00000-000.bbbb2.bin", os.urandom(120_000))   # generation 2's data
     r = restore(cfg, LocalBackend(cfg, store), NAME)
     assert (r.source, r.verified, r.check) == ("archive", True, "hashes")
     d = ckpt_dir(cfg)
-    assert sorted(p.name for p in d.iterdir()) == sorted([*v1, mf.MARKER])
-    assert (d / mf.MARKER).read_bytes() == data          # the archive's marker, byte for byte
+    assert sorted(p.name for p in d.iterdir()) == sorted([*v1, MARKER])
+    assert (d / MARKER).read_bytes() == data          # the archive's marker, byte for byte
     assert all((d / p).read_bytes() == b for p, b in v1.items())
 
 
@@ -114,7 +115,7 @@ def _unhashed_checkpoint(cfg) -> Path:
     d = ckpt_dir(cfg)
     d.mkdir(parents=True)
     (d / "a.bin").write_bytes(files["a.bin"])
-    (d / mf.MARKER).write_bytes(marker_of(files, hashed=False))
+    (d / MARKER).write_bytes(marker_of(files, hashed=False))
     return d
 
 
@@ -199,7 +200,7 @@ def test_amlfs_import_of_a_damaged_archive_is_refused_and_its_marker_removed(aml
     with pytest.raises(IntegrityError, match=r"rank0_shard1\.bin.*archive copy itself is damaged"):
         restore(cfg, backend, NAME)                                 # no --verify
     assert (ckpt_dir(cfg) / "rank0_shard0.bin").exists()              # the import did bring the files...
-    assert not os.path.lexists(ckpt_dir(cfg) / mf.MARKER)             # ...but nothing looks committed
+    assert not os.path.lexists(ckpt_dir(cfg) / MARKER)             # ...but nothing looks committed
     assert arm_env.kinds("autoexport.patch")[-1] == "autoexport.patch:Enable"
 
 

@@ -18,8 +18,9 @@ from azure.storage.blob import BlobServiceClient
 from tests.lifecycle.helpers import REPO, local_cfg, make_checkpoint
 from tiered_ckpt.config import dump
 from tiered_ckpt.errors import ConflictError, UnavailableError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.hashing import hash_path
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.lifecycle import journal, tombstone
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter
@@ -74,7 +75,7 @@ def release(p: subprocess.Popen[str]) -> None:
 def killed_retention_run(cfg) -> None:
     """What a retention run SIGKILLed mid-delete leaves: a journal entry, no marker, part of the data."""
     journal.add(cfg.root, "m", OLD)
-    (old_dir(cfg) / mf.MARKER).unlink()
+    (old_dir(cfg) / MARKER).unlink()
     (old_dir(cfg) / "rank0_shard1.bin").unlink()
 
 
@@ -99,7 +100,7 @@ def test_resume_delete_spares_a_name_saved_again_after_the_plan(env, monkeypatch
     monkeypatch.setattr(ret, "evaluate", plan_then_resave)
     res = ret.apply(cfg, LocalBackend(cfg, store), POLICY)
     assert f"delete {OLD}" not in res.done
-    info = mf.find(cfg.root, "m", OLD)
+    info = commit.find(cfg.root, "m", OLD)
     assert info is not None and info.committed and (old_dir(cfg) / "rank0_shard0.bin").read_bytes() == b"new generation"
 
 
@@ -126,7 +127,7 @@ def test_retention_skips_a_checkpoint_whose_lock_is_held_and_deletes_it_later(en
         res = ret.apply(cfg, LocalBackend(cfg, store), POLICY)
     finally:
         release(holder)
-    assert f"delete {OLD}" not in res.done and mf.find(cfg.root, "m", OLD).committed  # type: ignore[union-attr]
+    assert f"delete {OLD}" not in res.done and commit.find(cfg.root, "m", OLD).committed  # type: ignore[union-attr]
     assert {d.name: d.action for d in res.decisions}[OLD] == ret.BUSY
     # Next run, nobody holds it: deleted, with a tombstone naming the archived generation.
     res = ret.apply(cfg, LocalBackend(cfg, store), POLICY)
@@ -141,7 +142,7 @@ def test_retention_does_not_delete_a_checkpoint_saved_again_since_the_plan(env, 
     def plan_then_resave(*a, **k):
         pl = real_evaluate(*a, **k)
         assert {d.name: d.action for d in pl.decisions}[OLD] == ret.DELETE
-        mf.remove_checkpoint(old_dir(cfg))      # a new generation of that name, committed, not archived
+        commit.remove_checkpoint(old_dir(cfg))      # a new generation of that name, committed, not archived
         make_checkpoint(cfg.root, "m", 0, 10, files={"rank0_shard0.bin": b"generation 2"})
         return pl
 
@@ -162,7 +163,7 @@ def test_restore_waits_for_retention_and_success_means_it_is_there(env) -> None:
     finally:
         deleter.wait(timeout=30)
     assert (r.source, r.verified) == ("archive", True)       # decided again under the lock: not "resident"
-    info = mf.find(cfg.root, "m", OLD)
+    info = commit.find(cfg.root, "m", OLD)
     assert info is not None and info.committed
 
 
@@ -221,7 +222,7 @@ def test_two_restores_one_sigkilled_never_commit_holes(tmp_path: Path, azurite_c
     cfg_file.write_text(dump(cfg))
     d = old_dir(cfg)
     for trial in range(4):
-        mf.remove_checkpoint(d)
+        commit.remove_checkpoint(d)
         a = subprocess.Popen([sys.executable, "-c", RESTORER, str(cfg_file), "0.5", OLD], cwd=REPO, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert a.stdout is not None and a.stdout.readline().strip() == "bytes"
@@ -236,7 +237,7 @@ def test_two_restores_one_sigkilled_never_commit_holes(tmp_path: Path, azurite_c
         assert a.returncode == -9 and "done" not in a_out, f"trial {trial}: the first restore finished"
         assert out.split()[-3:] == ["done", "archive", "True"], f"trial {trial}"
         # Committed, and every byte is the archived one: no hole left by the killed restore.
-        info = mf.find(cfg.root, "m", OLD)
+        info = commit.find(cfg.root, "m", OLD)
         assert info is not None and info.committed, f"trial {trial}"
         assert all(hash_path(str(d / f.path)) == f.hash for f in info.manifest.files), f"trial {trial}"  # type: ignore[union-attr]
         assert not [p for p in d.iterdir() if p.name.startswith(".")], f"trial {trial}: temp files left"
@@ -256,7 +257,7 @@ def test_frozen_archive_mid_restore_fails_within_the_retry_budget(tmp_path: Path
         make_checkpoint(cfg.root, "m", 0, 10, files={f"s{i}.bin": os.urandom(1 << 20) for i in range(12)})
         store = BlobStore(cfg.archive, backoff=0.01)
         assert Exporter(cfg, store, status_path=tmp_path / "st.json").iterate().ok
-        mf.remove_checkpoint(old_dir(cfg))
+        commit.remove_checkpoint(old_dir(cfg))
 
         def freeze(what: str, done: int, total: int) -> None:
             if not stopped[0]:
@@ -268,7 +269,7 @@ def test_frozen_archive_mid_restore_fails_within_the_retry_budget(tmp_path: Path
             restore(cfg, LocalBackend(cfg, store), OLD, progress=freeze)
         elapsed = time.monotonic() - t0
         assert stopped[0] and elapsed < 60, f"took {elapsed:.0f}s"   # was 241 s with retries: 1
-        assert mf.latest_committed(cfg.root, "m") is None
+        assert commit.latest_committed(cfg.root, "m") is None
     finally:
         if stopped[0]:
             os.killpg(pgid, signal.SIGCONT)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.lifecycle.helpers import REPO, local_cfg, make_checkpoint
 from tiered_ckpt.config import dump
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.lock import CHECKPOINT_LOCKS, LOCK_NAME
 from tiered_ckpt.lifecycle.exporter import Exporter
 from tiered_ckpt.tiers.blob import BlobStore
@@ -57,8 +57,8 @@ def test_a_planted_lock_file_skips_that_checkpoint_and_the_run_goes_on(archived,
     assert by["global_epoch0_step1"]["decision"] == "skip"
     assert "lock file" in str(by["global_epoch0_step1"]["reason"])
     assert by["global_epoch0_step2"]["decision"] == "delete"                    # the others were freed
-    assert mf.read_marker(Path(cfg.root) / "m" / "global_epoch0_step1") is not None
-    assert mf.read_marker(Path(cfg.root) / "m" / "global_epoch0_step2") is None
+    assert commit.read_marker(Path(cfg.root) / "m" / "global_epoch0_step1") is not None
+    assert commit.read_marker(Path(cfg.root) / "m" / "global_epoch0_step2") is None
     assert victim.read_text() == "not yours"
 
 
@@ -72,4 +72,4 @@ def test_the_run_lock_is_never_created_through_a_symlinked_model_directory(archi
     text = r.stdout + r.stderr
     assert "symbolic link" in text and "Traceback" not in text
     assert not (outside / LOCK_NAME).exists()
-    assert mf.read_marker(outside / "global_epoch0_step1") is not None        # nothing touched
+    assert commit.read_marker(outside / "global_epoch0_step1") is not None        # nothing touched

@@ -21,7 +21,8 @@ from azure.storage.blob import ContainerClient
 from tests.doubles.arm_double import OPERATOR_TOKEN, ArmDouble, blob_archive_hook
 from tests.doubles.arm_fixtures import use_identity
 from tests.doubles.fake_pulumi import parse
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import FileEntry, Manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "tests" / "doubles" / "pulumi_bin"
@@ -121,8 +122,8 @@ class Env:
         for name, size in (files or {"rank0.bin": 4096, "rank1.bin": 3000}).items():
             data = bytes([(step if fill is None else fill) % 251]) * size
             (d / name).write_bytes(data)
-            entries.append(mf.FileEntry(name, size, xxhash.xxh3_128(data).hexdigest()))
-        mf.write_marker(d, mf.Manifest(epoch=epoch, step=step, files=entries))
+            entries.append(FileEntry(name, size, xxhash.xxh3_128(data).hexdigest()))
+        commit.write_marker(d, Manifest(epoch=epoch, step=step, files=entries))
         return d
 
     def archive(self, ckpt: Path) -> None:

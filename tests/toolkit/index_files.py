@@ -11,18 +11,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import FORMAT_V1, MARKER
 
 
 def marker(d: Path) -> dict[str, Any]:
-    m: dict[str, Any] = json.loads((d / mf.MARKER).read_bytes())
+    m: dict[str, Any] = json.loads((d / MARKER).read_bytes())
     return m
 
 
 def write_marker(d: Path, m: dict[str, Any]) -> None:
-    (d / mf.MARKER).unlink()
-    (d / mf.MARKER).write_bytes(json.dumps(m).encode())
+    (d / MARKER).unlink()
+    (d / MARKER).write_bytes(json.dumps(m).encode())
 
 
 def part(d: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -64,4 +64,4 @@ def as_v1(d: Path) -> dict[str, Any]:
     if trees:
         index["structure"] = trees
     del m["index_files"]
-    return {**m, "format": mf.FORMAT_V1, "index": index}
+    return {**m, "format": FORMAT_V1, "index": index}

@@ -19,8 +19,8 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import pools, writer
+from tiered_ckpt.io import commit, pools, writer
+from tiered_ckpt.io.marker import Manifest
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
 from tiered_ckpt.io.sources import SyntheticSource
@@ -82,13 +82,13 @@ def test_staging_is_reused_grown_and_released(cfg: NodeConfig) -> None:
 
 def test_a_release_while_a_save_writes_waits_for_it(cfg: NodeConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = writer.mf.write_marker
+    real = writer.commit.write_marker
 
-    def slow_marker(d: Path, m: mf.Manifest, **kw: Any) -> Path:
+    def slow_marker(d: Path, m: Manifest, **kw: Any) -> Path:
         gate.wait(30)
         return real(d, m, **kw)
 
-    monkeypatch.setattr(writer.mf, "write_marker", slow_marker)
+    monkeypatch.setattr(writer.commit, "write_marker", slow_marker)
     data = os.urandom(2 << 20)
     h = tc.async_save({"d": data}, epoch=0, step=1, config=cfg, options=BIG)
     area = pools.staging_area()
@@ -198,6 +198,6 @@ def test_sigkill_during_the_background_write_commits_nothing(root: Path) -> None
         p.stderr.close()
     assert p.returncode == -signal.SIGKILL and "committed" not in rest
     d = root / "m" / "global_epoch0_step2"
-    assert mf.read_marker(d) is None, "killed mid-write, yet marked committed"
-    assert [c.name for c in mf.scan(root, "m") if c.committed] == ["global_epoch0_step1"]
+    assert commit.read_marker(d) is None, "killed mid-write, yet marked committed"
+    assert [c.name for c in commit.scan(root, "m") if c.committed] == ["global_epoch0_step1"]
     assert verify(root / "m" / "global_epoch0_step1", check_hash=True).ok

@@ -17,7 +17,8 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, UnavailableError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.io.reader import verify
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -113,18 +114,18 @@ def test_every_writer_refuses_a_name_committed_in_the_archive_and_restore_return
     store = BlobStore(cfg.archive, backoff=0.05)
     _save(path, cfg, 1.0, tmp_path)
     d = root / "m" / NAME
-    original = mf.read_marker(d)
+    original = commit.read_marker(d)
     assert original is not None
     assert Exporter(cfg, store, status_path=tmp_path / "export.json").iterate().ok
-    archived = store.get_bytes(f"m/{NAME}/{mf.MARKER}")
-    mf.remove_checkpoint(d)                          # gone locally (by hand, or a roll-back), no tombstone
+    archived = store.get_bytes(f"m/{NAME}/{MARKER}")
+    commit.remove_checkpoint(d)                          # gone locally (by hand, or a roll-back), no tombstone
     with pytest.raises(ConflictError, match=f"{NAME} is committed in the archive.*never overwritten"):
         _save(path, cfg, 2.0, tmp_path)
-    assert mf.read_marker(d) is None, "nothing committed locally"
+    assert commit.read_marker(d) is None, "nothing committed locally"
     Exporter(cfg, store, status_path=tmp_path / "export.json").iterate()
-    assert store.get_bytes(f"m/{NAME}/{mf.MARKER}") == archived, "the archive's marker is the original's"
+    assert store.get_bytes(f"m/{NAME}/{MARKER}") == archived, "the archive's marker is the original's"
     res = restore(cfg, LocalBackend(cfg, store), NAME, verify=True)
-    assert res.source == "archive" and mf.read_marker(d) == original
+    assert res.source == "archive" and commit.read_marker(d) == original
     assert (_load(path, cfg) == 1.0).all(), "restore NAME returns the original bytes"
 
 
@@ -212,7 +213,7 @@ def test_racing_savers_of_one_step_exactly_one_commits(root: Path) -> None:
         assert sum(r["ok"] for r in res) == 1, (rnd, res, [e[-2000:] for _, e in outs])
         assert all(r["cls"] == "ConflictError" for r in res if not r["ok"]), res
         d = root / "m" / "global_epoch0_step5"
-        m = mf.read_marker(d)
+        m = commit.read_marker(d)
         assert m is not None and m.save_id == next(r["save_id"] for r in res if r["ok"])
         assert verify(d, check_hash=True).ok
-        mf.remove_checkpoint(d)
+        commit.remove_checkpoint(d)

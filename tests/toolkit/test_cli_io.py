@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tiered_ckpt.cli import app as cli
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_bench_json_reports_rates_and_share_of_provisioned_bandwidth(capsys: pyt
     assert d["bytes"] == 6 << 20 and d["files"] == 3 and d["threads"] == 2 and d["direct"] and d["hash"]
     assert d["write_GBps"] == pytest.approx(d["bytes"] / d["write_seconds"] / 1e9, rel=0.01)
     assert d["node_share_GBps"] == 2.0 and d["write_share_of_node_share"] == pytest.approx(d["write_GBps"] / 2.0, rel=0.01)
-    assert not d["kept"] and mf.scan(root, "m") == [], "without --keep the benchmark checkpoint is removed"
+    assert not d["kept"] and commit.scan(root, "m") == [], "without --keep the benchmark checkpoint is removed"
 
 
 def _into_model(out: str, model_dir: Path) -> None:
@@ -90,7 +90,7 @@ def test_bench_keep_runs_never_collide(capsys: pytest.CaptureFixture[str], conf:
     assert rc == 0
     rc, out2, _ = run(capsys, "bench", *c, "--size", "1MiB", "--keep", "--name", "global_epoch1_step1", "--json")
     assert rc == 0 and json.loads(out1)["path"] != json.loads(out2)["path"]
-    assert mf.scan(root, "m") == []
+    assert commit.scan(root, "m") == []
 
 
 @pytest.mark.parametrize("argv, needle", [

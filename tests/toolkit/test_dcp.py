@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 
@@ -101,7 +102,7 @@ def _run(mode: str, root: Path, tmp: Path, world: int, prefix: list[str] | None 
 
 
 def _committed(root: Path) -> list[str]:
-    return [c.name for c in mf.scan(root, "m") if c.committed]
+    return [c.name for c in commit.scan(root, "m") if c.committed]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -110,9 +111,9 @@ def test_nested_state_round_trip_and_listed_committed(root: Path, tmp_path: Path
     assert all(o["out"]["ok"] for o in outs), outs
     assert all(o["out"]["objs"] == [3, 0.25, "run-a", [1, 2.5, "x", [7]]] for o in outs), outs
     assert _committed(root) == ["global_epoch0_step1"]
-    m = mf.read_marker(root / "m" / "global_epoch0_step1")
+    m = commit.read_marker(root / "m" / "global_epoch0_step1")
     assert m is not None and m.world_size == world and all(f.hash for f in m.files)
-    assert {f.path for f in m.files} == {p.name for p in (root / "m" / "global_epoch0_step1").iterdir()} - {mf.MARKER}
+    assert {f.path for f in m.files} == {p.name for p in (root / "m" / "global_epoch0_step1").iterdir()} - {MARKER}
     # loading again (a fresh process group) is bit-exact too
     assert all(o["out"]["ok"] for o in _run("nested-load", root, tmp_path, world))
 
@@ -146,7 +147,7 @@ def test_a_checkpoint_without_its_marker_is_refused(root: Path, tmp_path: Path) 
 
     _run("dtensor-save", root, tmp_path, 1)
     d = root / "m" / "global_epoch0_step2"
-    (d / mf.MARKER).unlink()
+    (d / MARKER).unlink()
     reader = TieredReader(root, "m", epoch=0, step=2)       # DCP's convention: nothing is read before dcp.load
     with pytest.raises(IntegrityError, match=f"{d} is not a committed checkpoint"):
         reader.checked_metadata()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed"),
               pytest.mark.timeout(300)]
@@ -113,7 +113,7 @@ def _run(mode: str, root: Path, tmp: Path, world: int) -> list[dict[str, object]
 
 
 def _committed(root: Path) -> list[str]:
-    return [c.name for c in mf.scan(root, "m") if c.committed]
+    return [c.name for c in commit.scan(root, "m") if c.committed]
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

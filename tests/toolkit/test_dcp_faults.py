@@ -43,7 +43,8 @@ import tiered_ckpt as tc
 import tiered_ckpt.io.claim as tclaim   # the one claim-and-commit path (the marker goes through it)
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.dcp import TieredReader, TieredWriter
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.io import fsafe, pipeline
 from tiered_ckpt.io.reader import verify
 
@@ -95,7 +96,7 @@ def err_text(e):
     return f"{type(e).__name__}: {e}"[:3000]
 
 def committed_names(model="m"):
-    return [c.name for c in mf.scan(ROOT, model) if c.committed]
+    return [c.name for c in commit.scan(ROOT, model) if c.committed]
 
 def listed(conf):
     buf = io.StringIO()
@@ -210,7 +211,7 @@ def raising(where, bad, conf, step):
             setattr(obj, name, old)
         dist.barrier()
         if rank == 0:
-            res["marker"] = os.path.exists(os.path.join(ROOT, "m", f"global_epoch0_step{step}", mf.MARKER))
+            res["marker"] = os.path.exists(os.path.join(ROOT, "m", f"global_epoch0_step{step}", MARKER))
             res["committed"] = committed_names()      # the earlier cases' retries are committed
             res["listed"] = listed(conf)
         dist.barrier()
@@ -289,11 +290,11 @@ def killed(step, victim, point):
                     return fut
                 TieredWriter.write_data = write_data
             elif point == "before-marker":
-                orig_m = mf.write_marker
+                orig_m = commit.write_marker
                 def write_marker(*a, **k):
                     pause(point)
                     return orig_m(*a, **k)
-                mf.write_marker = write_marker
+                commit.write_marker = write_marker
             elif point == "torn-marker":    # half the marker's bytes written
                 orig_wa = fsafe.write_all
                 def write_all(fd, data):
@@ -302,12 +303,12 @@ def killed(step, victim, point):
                     pause(point)
                 fsafe.write_all = write_all
             elif point == "after-marker":
-                orig_m = mf.write_marker
+                orig_m = commit.write_marker
                 def write_marker(*a, **k):
                     r = orig_m(*a, **k)
                     pause(point)
                     return r
-                mf.write_marker = write_marker
+                commit.write_marker = write_marker
             note(os.path.join(TMP, f"started-{step}"))
         try:
             dcp.save(st, storage_writer=TieredWriter(ROOT, "m", epoch=0, step=step))
@@ -342,9 +343,9 @@ def resave(steps):
 
 def check_dir(step):
     d = os.path.join(ROOT, "m", f"global_epoch0_step{step}")
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     if m is None:
-        return {"committed": False, "marker_file": os.path.exists(os.path.join(d, mf.MARKER))}
+        return {"committed": False, "marker_file": os.path.exists(os.path.join(d, MARKER))}
     rep = verify(__import__("pathlib").Path(d), check_hash=True)
     return {"committed": True, "complete": rep.ok, "problems": rep.problems[:3]}
 

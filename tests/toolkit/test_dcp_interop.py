@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.toolkit import gloo_ranks
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER, FileEntry, Manifest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 
@@ -55,7 +56,7 @@ def _save(root: Path, step: int = 1) -> Path:
 
 def test_metadata_unpickles_without_this_package_and_carries_version_and_storage_meta(root: Path) -> None:
     d = _save(root)
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and m.save_id is not None
     md_file = d / f"dcp.{m.save_id}.metadata"
     # Our names only as transform descriptors (strings): raw tensors, and non-tensor items' digests.
@@ -182,7 +183,7 @@ leave()
 def test_stager_and_writer_take_sharded_tensors_and_no_collectives(root: Path, tmp_path: Path) -> None:
     runs = gloo_ranks.run(STAGED, 2, tmp_path / "store", timeout=240, root=str(root), pg_timeout=60)
     assert [r.out for r in runs] == [{"ok": True, "addresses": 1, "merged": True, "again": "ConflictError"}] * 2, runs
-    assert [c.name for c in mf.scan(root, "m") if c.committed] == ["global_epoch0_step1", "global_epoch0_step2"]
+    assert [c.name for c in commit.scan(root, "m") if c.committed] == ["global_epoch0_step1", "global_epoch0_step2"]
 
 
 def test_a_format_1_checkpoint_still_loads(root: Path) -> None:
@@ -193,7 +194,7 @@ def test_a_format_1_checkpoint_still_loads(root: Path) -> None:
     from tiered_ckpt.io.hashing import new_hasher
 
     d = _save(root)
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and m.save_id is not None
     name = tdcp.metadata_name(m.save_id)
     md = pickle.loads((d / name).read_bytes())
@@ -205,9 +206,9 @@ def test_a_format_1_checkpoint_still_loads(root: Path) -> None:
     (d / name).write_bytes(data)
     h = new_hasher()
     h.update(data)
-    files = [f if f.path != name else mf.FileEntry(name, len(data), h.hexdigest(), 0) for f in m.files]
-    (d / mf.MARKER).unlink()
-    mf.write_marker(d, mf.Manifest(epoch=0, step=1, files=files, world_size=1, index={}, save_id=m.save_id))
+    files = [f if f.path != name else FileEntry(name, len(data), h.hexdigest(), 0) for f in m.files]
+    (d / MARKER).unlink()
+    commit.write_marker(d, Manifest(epoch=0, step=1, files=files, world_size=1, index={}, save_id=m.save_id))
     got = _zeros()
     dcp.load(got, storage_reader=tdcp.TieredReader(root, "m", epoch=0, step=1, verify_hash=True), no_dist=True)
     assert _same(_state(), got)

@@ -19,7 +19,8 @@ import pytest
 
 from tests.toolkit import gloo_ranks
 from tiered_ckpt.errors import IntegrityError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 
@@ -44,7 +45,7 @@ def _state() -> dict[str, Any]:
 def _save(root: Path) -> Path:
     dcp.save(_state(), storage_writer=TieredWriter(root, "m", epoch=0, step=1), no_dist=True)
     d = root / "m" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and m.save_id is not None
     return d / metadata_name(m.save_id)
 
@@ -96,14 +97,14 @@ def test_planted_pickle_with_a_matching_marker_hash_still_runs_nothing(root: Pat
     meta = _save(root)
     data = _plant(meta, sentinel)
     d = meta.parent
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None
     from tiered_ckpt.io.hashing import new_hasher
     h = new_hasher()
     h.update(data)
     files = [replace(f, hash=h.hexdigest()) if f.path == meta.name else f for f in m.files]
-    (d / mf.MARKER).unlink()
-    mf.write_marker(d, replace(m, files=files))
+    (d / MARKER).unlink()
+    commit.write_marker(d, replace(m, files=files))
     reader = TieredReader(root, "m", epoch=0, step=1)
     with pytest.raises(IntegrityError, match="refused, not run"):
         reader.checked_metadata()
@@ -114,7 +115,7 @@ def test_load_training_with_verify_hash_never_unpickles_planted_metadata(root: P
     from tiered_ckpt.training import load_training, save_training
     model = torch.nn.Linear(3, 2)
     save_training(model, epoch=0, step=1, root=root, model_name="m")
-    m = mf.read_marker(root / "m" / "global_epoch0_step1")
+    m = commit.read_marker(root / "m" / "global_epoch0_step1")
     assert m is not None and m.save_id is not None
     sentinel = tmp_path / "pwned"
     _plant(root / "m" / "global_epoch0_step1" / metadata_name(m.save_id), sentinel)
@@ -173,12 +174,12 @@ def test_a_checkpoint_saved_before_item_digests_hashes_the_items_file_whole(root
     data = pickle.dumps(md)
     h = new_hasher()
     h.update(data)
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None
     files = [replace(f, size=len(data), hash=h.hexdigest()) if f.path == meta.name else f for f in m.files]
     meta.write_bytes(data)
-    (d / mf.MARKER).unlink()
-    mf.write_marker(d, replace(m, files=files))
+    (d / MARKER).unlink()
+    commit.write_marker(d, replace(m, files=files))
     st = _blank()
     dcp.load(st, storage_reader=TieredReader(root, "m", epoch=0, step=1), no_dist=True)
     assert st["tag"] == "a" * 200                                   # intact: loads
@@ -197,11 +198,11 @@ def _rewrite(meta: Path, md: Any) -> None:
     data = pickle.dumps(md)
     h = new_hasher()
     h.update(data)
-    m = mf.read_marker(meta.parent)
+    m = commit.read_marker(meta.parent)
     assert m is not None
     meta.write_bytes(data)
-    (meta.parent / mf.MARKER).unlink()
-    mf.write_marker(meta.parent, replace(m, files=[replace(f, size=len(data), hash=h.hexdigest())
+    (meta.parent / MARKER).unlink()
+    commit.write_marker(meta.parent, replace(m, files=[replace(f, size=len(data), hash=h.hexdigest())
                                                    if f.path == meta.name else f for f in m.files]))
 
 

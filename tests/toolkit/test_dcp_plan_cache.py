@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed"),
               pytest.mark.timeout(240)]
@@ -71,9 +71,9 @@ def test_cached_plan_saves_without_replanning_under_their_own_save_ids(root: Pat
     assert all(o["ok"] for o in outs), outs
     # The coordinator planned once: the second and third saves reused the cached global plan.
     assert outs[0]["plans"] == [1, 1, 1], outs
-    infos = [c for c in mf.scan(root, "m")]
+    infos = [c for c in commit.scan(root, "m")]
     assert [c.name for c in infos] == [f"global_epoch0_step{s}" for s in (1, 2, 3)] and all(c.committed for c in infos)
-    markers = [mf.read_marker(c.path) for c in infos]
+    markers = [commit.read_marker(c.path) for c in infos]
     sids = [m.save_id for m in markers if m is not None]
     assert len(set(sids)) == 3, sids          # each save committed under its own id
     names = [{f.path for f in m.files} for m in markers if m is not None]

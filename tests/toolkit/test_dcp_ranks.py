@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.toolkit.gloo_ranks import Ranked, run
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.reader import verify
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed"),
@@ -119,9 +119,9 @@ NESTED_OBJS = [12000, 0.000125, "run-a", [1, 2.5, "x", [7, None]]]
 def _check_nested(root: Path, outs: list[Ranked], world: int) -> None:
     assert all(o.out["nested_ok"] and o.out["objs"] == NESTED_OBJS for o in outs), [o.out for o in outs]
     d = root / "n" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and m.world_size == world
-    assert [c.name for c in mf.scan(root, "n") if c.committed] == ["global_epoch0_step1"]
+    assert [c.name for c in commit.scan(root, "n") if c.committed] == ["global_epoch0_step1"]
     assert verify(d, check_hash=True).ok
 
 
@@ -149,7 +149,7 @@ def test_four_rank_sharded_save_is_one_committed_checkpoint(saved4: tuple[Path, 
     root, _, outs = saved4
     assert [o.out["local_rows"] for o in outs] == [[4, 4, 2], [4, 4, 2], [4, 4, 2], [1, 1, 0]]  # 13 and 6 rows over 4
     d = root / "s" / "global_epoch0_step3"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and m.world_size == 4
     assert {f.rank for f in m.files} == {0, 1, 2, 3}     # every rank wrote its shards
     assert verify(d, check_hash=True).ok

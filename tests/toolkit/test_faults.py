@@ -14,8 +14,8 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import pipeline, pools, writer
+from tiered_ckpt.io import commit, pipeline, pools, writer
+from tiered_ckpt.io.marker import MARKER, Manifest
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
 
@@ -41,7 +41,7 @@ def test_incomplete_directory_is_replaced_by_default_or_refused(cfg: NodeConfig,
     d.mkdir(parents=True)
     (d / "shard-r00000-000.bin").write_bytes(b"junk from a crashed attempt")
     (d / "stray.bin").write_bytes(b"x")
-    (d / mf.MARKER).write_bytes(b'{"format": "tiered-ckpt/1", "ep')      # torn marker
+    (d / MARKER).write_bytes(b'{"format": "tiered-ckpt/1", "ep')      # torn marker
     with pytest.raises(ConflictError, match="never committed.*overwrite_incomplete"):
         tc.save({"a": b"new"}, epoch=0, step=2, config=cfg, options=IoOptions(overwrite_incomplete=False))
     assert (d / "stray.bin").exists()
@@ -66,7 +66,7 @@ def test_stale_attempt_that_cannot_be_removed_is_a_user_error(cfg: NodeConfig, r
     monkeypatch.setattr(writer.os, "unlink", refuse)
     with pytest.raises(UserError, match=r"cannot write .*global_epoch0_step3.*not committed"):
         tc.save({"a": b"new"}, epoch=0, step=3, config=cfg)
-    assert mf.read_marker(d) is None
+    assert commit.read_marker(d) is None
 
 
 def test_missing_root_is_a_user_error(cfg: NodeConfig, tmp_path: Path) -> None:
@@ -106,7 +106,7 @@ def test_enospc_midway_commits_nothing_and_spares_older(cfg: NodeConfig, root: P
     with pytest.raises(UserError, match="no space left writing .*global_epoch0_step2.*not committed"):
         tc.save({"a": os.urandom(4 << 20)}, epoch=0, step=2, config=cfg)
     monkeypatch.undo()
-    info = mf.find(root, "m", "global_epoch0_step2")
+    info = commit.find(root, "m", "global_epoch0_step2")
     assert info is None or not info.committed
     assert not (root / "m" / "global_epoch0_step2").exists(), "partial files of a failed save are removed"
     assert tc.latest(config=cfg).name == "global_epoch0_step1"  # type: ignore[union-attr]
@@ -120,7 +120,7 @@ def test_real_enospc_on_a_full_file_system(cfg: NodeConfig, small_tmpfs: Path) -
     tc.save({"a": b"k" * 300_000}, epoch=0, step=1, config=cfg, root=small_tmpfs)   # tmpfs: no O_DIRECT -> buffered
     with pytest.raises(UserError, match="no space left"):
         tc.save({"a": os.urandom(3 << 20)}, epoch=0, step=2, config=cfg, root=small_tmpfs)
-    assert [c.name for c in mf.scan(small_tmpfs, "m") if c.committed] == ["global_epoch0_step1"]
+    assert [c.name for c in commit.scan(small_tmpfs, "m") if c.committed] == ["global_epoch0_step1"]
     assert _committed_ok(small_tmpfs / "m" / "global_epoch0_step1")
 
 
@@ -136,15 +136,15 @@ def test_async_snapshot_lets_caller_change_buffers_after_return(cfg: NodeConfig)
 
 def test_async_with_large_staging_returns_before_commit(cfg: NodeConfig, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real_write_marker = writer.mf.write_marker
+    real_write_marker = writer.commit.write_marker
 
-    def slow_marker(d: Path, m: mf.Manifest, **kw: Any) -> Path:
+    def slow_marker(d: Path, m: Manifest, **kw: Any) -> Path:
         gate.wait(30)
         return real_write_marker(d, m, **kw)
 
-    monkeypatch.setattr(writer.mf, "write_marker", slow_marker)
+    monkeypatch.setattr(writer.commit, "write_marker", slow_marker)
     h = tc.async_save({"a": os.urandom(3 << 20)}, epoch=0, step=1, config=cfg, options=IoOptions(staging_bytes=8 << 20))
-    assert not h.done() and mf.read_marker(root / "m" / "global_epoch0_step1") is None
+    assert not h.done() and commit.read_marker(root / "m" / "global_epoch0_step1") is None
     gate.set()
     h.wait(30)
     assert _committed_ok(root / "m" / "global_epoch0_step1")
@@ -194,7 +194,7 @@ def test_zero_copy_detects_a_buffer_resized_during_the_save(cfg: NodeConfig, roo
     resized.set()
     err = h.exception(timeout=30)
     assert isinstance(err, IntegrityError) and "changed size from 8000 to 16000" in str(err)
-    assert not mf.find(root, "m", "global_epoch0_step2") or not mf.find(root, "m", "global_epoch0_step2").committed  # type: ignore[union-attr]
+    assert not commit.find(root, "m", "global_epoch0_step2") or not commit.find(root, "m", "global_epoch0_step2").committed  # type: ignore[union-attr]
     assert tc.latest(config=cfg).name == "global_epoch0_step1"  # type: ignore[union-attr]
 
 

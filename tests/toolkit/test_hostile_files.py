@@ -21,7 +21,8 @@ import tiered_ckpt as tc
 from tests.toolkit import index_files
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER, FileEntry, InvalidMarker, Manifest, parse_marker, validate
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,12 +32,12 @@ BAD_BYTES = b"bad!" * 5000
 
 
 def _marker(d: Path) -> dict[str, Any]:
-    return json.loads((d / mf.MARKER).read_bytes())
+    return json.loads((d / MARKER).read_bytes())
 
 
 def _rewrite(d: Path, m: dict[str, Any]) -> None:
-    (d / mf.MARKER).unlink()
-    (d / mf.MARKER).write_bytes(json.dumps(m).encode())
+    (d / MARKER).unlink()
+    (d / MARKER).write_bytes(json.dumps(m).encode())
 
 
 def _shard(m: dict[str, Any]) -> dict[str, Any]:
@@ -82,13 +83,13 @@ def _under_regular_file(d: Path, outside: Path) -> None:
 
 
 def _marker_dir(d: Path, outside: Path) -> None:
-    (d / mf.MARKER).unlink()
-    (d / mf.MARKER).mkdir()
+    (d / MARKER).unlink()
+    (d / MARKER).mkdir()
 
 
 def _marker_fifo(d: Path, outside: Path) -> None:
-    (d / mf.MARKER).unlink()
-    os.mkfifo(d / mf.MARKER)
+    (d / MARKER).unlink()
+    os.mkfifo(d / MARKER)
 
 
 def _data_symlink(d: Path, outside: Path) -> None:
@@ -228,12 +229,12 @@ def test_markers_of_the_released_format_still_validate() -> None:
             "1": {"t": {"kind": "torch", "dtype": "bfloat16", "shape": [2048], "nbytes": 4096,
                         "segments": [["shard-r00001-000.bin", 0, 4096, 0]]}}}},
     }
-    m = mf.parse_marker(json.dumps(old, indent=1, sort_keys=True), "global_epoch3_step120")
+    m = parse_marker(json.dumps(old, indent=1, sort_keys=True), "global_epoch3_step120")
     assert m.name == "global_epoch3_step120" and m.world_size == 2 and m.save_id is None
     assert json.loads(m.to_json()) == old                 # round-trips, no new key when there is no save_id
-    assert mf.parse_marker(mf.Manifest(epoch=0, step=1, files=[mf.FileEntry("a", 1, None)]).to_json()).index == {}
-    with_sid = json.loads(mf.Manifest(epoch=0, step=1, files=[mf.FileEntry("a", 1, None)], save_id="job-7.a").to_json())
-    assert mf.validate(with_sid).save_id == "job-7.a"
+    assert parse_marker(Manifest(epoch=0, step=1, files=[FileEntry("a", 1, None)]).to_json()).index == {}
+    with_sid = json.loads(Manifest(epoch=0, step=1, files=[FileEntry("a", 1, None)], save_id="job-7.a").to_json())
+    assert validate(with_sid).save_id == "job-7.a"
 
 
 def _valid() -> dict[str, Any]:
@@ -294,12 +295,12 @@ def _with(path: str, value: Any) -> bytes:
 ])
 def test_parse_marker_refuses_with_one_line_why(data: bytes, needle: str) -> None:
     if not needle:
-        assert mf.parse_marker(data, "global_epoch0_step1").name == "global_epoch0_step1"
-        with pytest.raises(mf.InvalidMarker, match="names checkpoint global_epoch0_step1, but it is in 'global_epoch0_step2'"):
-            mf.parse_marker(data, "global_epoch0_step2")
+        assert parse_marker(data, "global_epoch0_step1").name == "global_epoch0_step1"
+        with pytest.raises(InvalidMarker, match="names checkpoint global_epoch0_step1, but it is in 'global_epoch0_step2'"):
+            parse_marker(data, "global_epoch0_step2")
         return
-    with pytest.raises(mf.InvalidMarker) as err:
-        mf.parse_marker(data)
+    with pytest.raises(InvalidMarker) as err:
+        parse_marker(data)
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
@@ -316,11 +317,11 @@ def test_symlinked_model_and_checkpoint_directories_are_not_scanned(cfg: NodeCon
     elsewhere.mkdir()
     tc.save({"a": b"x" * 64}, epoch=0, step=1, config=cfg.with_overrides(root=str(elsewhere)))
     (root / "m").symlink_to(elsewhere / "m")
-    assert mf.scan(root, "m") == []
+    assert commit.scan(root, "m") == []
     (root / "m").unlink()
     (root / "m").mkdir()
     (root / "m" / "global_epoch0_step1").symlink_to(elsewhere / "m" / "global_epoch0_step1")
     (root / "m" / "global_epoch0_step05").mkdir()          # a non-canonical alias of step5: not a checkpoint
-    assert mf.scan(root, "m") == []
+    assert commit.scan(root, "m") == []
     with pytest.raises(UserError):
         tc.load("global_epoch0_step1", config=cfg, rank=0)

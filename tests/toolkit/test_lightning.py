@@ -18,7 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from tiered_ckpt.errors import IntegrityError, UserError  # noqa: E402
-from tiered_ckpt.io import commit as mf  # noqa: E402
+from tiered_ckpt.io import commit  # noqa: E402
+from tiered_ckpt.io.marker import MARKER  # noqa: E402
 from tiered_ckpt.lightning import POINTER_FORMAT, TieredCheckpointIO  # noqa: E402
 
 BATCHES = 3          # per epoch: a checkpoint at each epoch end is at step 3, 6, 9
@@ -119,11 +120,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_each_save_is_a_committed_checkpoint_named_by_epoch_and_step(run: dict[str, Any]) -> None:
     root = run["root"]
-    names = [c.name for c in mf.scan(root, "m") if c.committed]
+    names = [c.name for c in commit.scan(root, "m") if c.committed]
     # epochs 0, 1 (first run) and 2 (resumed); last.ckpt at the same step wrote no second copy
     assert names == ["global_epoch0_step3", "global_epoch1_step6", "global_epoch2_step9"]
     for n in names:
-        assert (root / "m" / n / mf.MARKER).is_file()
+        assert (root / "m" / n / MARKER).is_file()
     rows = {r["name"]: r for r in _list(root, run["tmp"])}
     assert all(rows[n]["committed"] for n in names) and rows["global_epoch2_step9"]["latest"]
 
@@ -132,7 +133,7 @@ def test_pointers_at_lightnings_paths_and_top_k_pruning_keeps_the_data(run: dict
     # top-1: at epoch 1 Lightning removed epoch=0-step=3.ckpt; the checkpoint itself is retention's
     assert run["pointers"] == ["epoch=1-step=6.ckpt", "last.ckpt"]
     assert Path(run["best"]).name == "epoch=1-step=6.ckpt"
-    assert mf.read_marker(run["root"] / "m" / "global_epoch0_step3") is not None
+    assert commit.read_marker(run["root"] / "m" / "global_epoch0_step3") is not None
     d = json.loads((run["ldir"] / "last.ckpt").read_text())
     assert d["format"] == POINTER_FORMAT and d["name"] == "global_epoch2_step9" and d["model"] == "m"
 
@@ -166,7 +167,7 @@ def test_an_uncommitted_checkpoint_is_refused_on_resume(run: dict[str, Any], tmp
     t, _ = _trainer(root, ldir, epochs=1)
     t.fit(Tiny(), _data())
     d = root / "m" / "global_epoch0_step3"
-    (d / mf.MARKER).unlink()                     # as a save killed before its commit leaves it
+    (d / MARKER).unlink()                     # as a save killed before its commit leaves it
     again, _ = _trainer(root, ldir, epochs=2)
     with pytest.raises(IntegrityError, match=f"{d} is not a committed checkpoint"):
         again.fit(Tiny(), _data(), ckpt_path="last")
@@ -179,7 +180,7 @@ def test_remove_checkpoint_removes_the_pointer_never_the_checkpoint(run: dict[st
     p = tmp_path / "epoch=2-step=9.ckpt"
     p.write_bytes((run["ldir"] / "last.ckpt").read_bytes())
     io.remove_checkpoint(p)
-    assert not p.exists() and mf.read_marker(run["root"] / "m" / "global_epoch2_step9") is not None
+    assert not p.exists() and commit.read_marker(run["root"] / "m" / "global_epoch2_step9") is not None
     other = tmp_path / "not-a-pointer.ckpt"
     other.write_bytes(b"torch.save data")
     io.remove_checkpoint(other)          # not a pointer: left alone
@@ -209,7 +210,7 @@ def test_step_only_naming(tmp_path: Path) -> None:
     t, _ = _trainer(root, tmp_path / "pl" / "checkpoints", epochs=1,
                     config=NodeConfig(root=str(root), model="m", naming="megatron"))
     t.fit(Tiny(), _data())
-    assert [c.name for c in mf.scan(root, "m", naming="megatron") if c.committed] == ["iter_0000003"]
+    assert [c.name for c in commit.scan(root, "m", naming="megatron") if c.committed] == ["iter_0000003"]
 
 
 def test_without_arguments_the_node_config_names_root_model_and_naming(tmp_path: Path,
@@ -288,7 +289,7 @@ def test_ddp_two_gloo_processes_save_once_and_resume(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks == [{"start": 6, "end": 9, "same": True}] * 2
-    assert [c.name for c in mf.scan(tmp_path / "lustre-a", "m") if c.committed] == [
+    assert [c.name for c in commit.scan(tmp_path / "lustre-a", "m") if c.committed] == [
         "global_epoch0_step3", "global_epoch1_step6", "global_epoch2_step9"]
-    m = mf.read_marker(tmp_path / "lustre-a" / "m" / "global_epoch1_step6")
+    m = commit.read_marker(tmp_path / "lustre-a" / "m" / "global_epoch1_step6")
     assert m is not None and m.world_size == 1          # one process (rank 0) wrote the checkpoint

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
-from tiered_ckpt.io import commit as mf  # noqa: E402
+from tiered_ckpt.io import commit  # noqa: E402
 
 SCRIPT = r'''
 import json, os, sys
@@ -86,9 +86,9 @@ def test_fsdp2_through_model_parallel_strategy_commits_and_resumes_bit_exact(tmp
     root, ldir = tmp_path / "lustre", tmp_path / "pl" / "ck"
     root.mkdir()
     saved = _run(tmp_path, "save", root, ldir)
-    names = [c.name for c in mf.scan(root, "m") if c.committed]
+    names = [c.name for c in commit.scan(root, "m") if c.committed]
     assert names == ["global_epoch0_step4", "global_epoch1_step8"], names
-    m = mf.read_marker(root / "m" / "global_epoch1_step8")
+    m = commit.read_marker(root / "m" / "global_epoch1_step8")
     assert m is not None and m.world_size == 2                   # each rank wrote its shards
     assert json.loads((ldir / "last.ckpt").read_text())["name"] == "global_epoch1_step8"
     resumed = _run(tmp_path, "resume", root, ldir)

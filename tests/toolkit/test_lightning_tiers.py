@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from tiered_ckpt import records  # noqa: E402
 from tiered_ckpt.config import ArchiveConfig, NodeConfig  # noqa: E402
 from tiered_ckpt.errors import IntegrityError, UserError  # noqa: E402
-from tiered_ckpt.io import commit as mf  # noqa: E402
+from tiered_ckpt.io import commit  # noqa: E402
 from tiered_ckpt.lifecycle import retention  # noqa: E402
 from tiered_ckpt.lifecycle.exporter import Exporter  # noqa: E402
 from tiered_ckpt.lightning import TieredCheckpointIO  # noqa: E402
@@ -99,7 +99,7 @@ def test_best_is_kept_resident_and_a_freed_checkpoint_is_restored_on_load(
 
     # A freed checkpoint loads anyway: the plugin restores it from the archive (hash-checked).
     back = io.load_checkpoint(root / "m" / "global_epoch1_step6")
-    assert back["global_step"] == 6 and mf.read_marker(root / "m" / "global_epoch1_step6") is not None
+    assert back["global_step"] == 6 and commit.read_marker(root / "m" / "global_epoch1_step6") is not None
 
     # Without an archive in its config, the message says what to do.
     bare = TieredCheckpointIO(root=root, model="m")

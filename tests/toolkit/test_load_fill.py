@@ -15,8 +15,8 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fill, fsafe, reader
+from tiered_ckpt.io import commit, fill, fsafe, reader
+from tiered_ckpt.io.marker import FileEntry
 from tiered_ckpt.io.options import IoOptions
 
 torch = pytest.importorskip("torch")
@@ -84,7 +84,7 @@ def test_new_tensors_are_filled_with_o_direct_whatever_the_offsets_and_match(cfg
     assert kinds["group"] and kinds["group pieces"] >= 150 and kinds["group"] < kinds["group pieces"] / 5, kinds
     # Each new large tensor starts where its bytes start in their 4 KiB page of the file.
     d = Path(cfg.root) / "m" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None
     idx = reader.read_index(d, m, 0).buffers
     for k in ("big", "half", "tail"):
@@ -158,7 +158,7 @@ def test_hash_check_catches_one_flipped_byte_in_memory_filled_directly_or_coales
     st = _state()
     tc.save(st, epoch=0, step=1, config=cfg)
     d = Path(cfg.root) / "m" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None
     path, file_off, n, _ = reader.read_index(d, m, 0).buffers[where]["segments"][0]
     _flip(d / path, file_off + n // 2)
@@ -173,7 +173,7 @@ def test_file_shorter_than_its_pieces_is_a_clear_error_naming_it(cfg: NodeConfig
     st = {"w": torch.randn(300_000)}
     tc.save(st, epoch=0, step=1, config=cfg)
     d = Path(cfg.root) / "m" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None
     e = m.files[0]
     os.truncate(d / e.path, e.size - 5000)   # shrunk after load's size check (read_files checks no sizes)
@@ -188,7 +188,7 @@ def test_pieces_not_covering_a_file_with_hashing_stream_it_and_still_check_the_h
     st = {"a": torch.randn(200_000), "b": torch.randn(200_000)}
     tc.save(st, epoch=0, step=1, config=cfg)
     d = Path(cfg.root) / "m" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None
     e = max(m.files, key=lambda f: f.size)
     want = memoryview(bytearray(10_000))
@@ -214,7 +214,7 @@ def test_plan_splits_large_pieces_and_keeps_head_and_tail_off_o_direct(tmp_path:
     shift = (4096 - base % 4096) % 4096 + 100      # memory residue 100 = the file offset's below
     dest = memoryview(mem[shift:shift + size - 100])
     small = [memoryview(bytearray(10)), memoryview(bytearray(90))]
-    f = fill._File(mf.FileEntry("f", size, None), p, [(0, 10, small[0]), (10, 90, small[1]), (100, size - 100, dest)],
+    f = fill._File(FileEntry("f", size, None), p, [(0, 10, small[0]), (10, 90, small[1]), (100, size - 100, dest)],
                    hash=False)
     fill._open(f, direct=True, anchor=tmp_path)
     try:
@@ -245,7 +245,7 @@ def test_overlapping_and_gapped_pieces_each_get_their_bytes(tmp_path: Path) -> N
              (size - 1000, 1000), (size - 300_000, 300_000)]
     bufs = [bytearray(n) for _, n in spans]
     pieces = {"f": [(off, n, memoryview(b)) for (off, n), b in zip(spans, bufs, strict=True)]}
-    probs = fill.fill(tmp_path, [mf.FileEntry("f", size, None)], pieces, pool=BlockPool(3 * BLOCK, BLOCK), threads=3,
+    probs = fill.fill(tmp_path, [FileEntry("f", size, None)], pieces, pool=BlockPool(3 * BLOCK, BLOCK), threads=3,
                       direct=True, check_hash=False, stream=lambda e, v: "streamed", progress=None)
     assert probs == []
     for (off, n), b in zip(spans, bufs, strict=True):

@@ -21,8 +21,8 @@ import tiered_ckpt as tc
 from tests.toolkit import index_files
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import reader
+from tiered_ckpt.io import commit, reader
+from tiered_ckpt.io.marker import FORMAT_V1, MARKER, MAX_INDEX_BYTES, encode_part
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,7 +58,7 @@ def test_marker_is_small_and_points_at_hashed_index_files(cfg: NodeConfig, root:
     (part,) = raw["index_files"]
     assert listed[part]["hash"] and listed[part]["size"] == (d / part).stat().st_size
     # the marker grows with the files, not with the 2,000 buffers: the index is in the part file
-    assert (d / mf.MARKER).stat().st_size < 2000 < (d / part).stat().st_size // 100
+    assert (d / MARKER).stat().st_size < 2000 < (d / part).stat().st_size // 100
     got = tc.load(config=cfg)
     assert list(got) == list(many) and all(np.array_equal(got[k], v) for k, v in many.items())
     assert reader.verify(d, check_hash=True).ok
@@ -84,10 +84,10 @@ def test_a_format_1_checkpoint_still_loads_and_verifies(cfg: NodeConfig, root: P
     d = root / "m" / NAME
     v1 = index_files.as_v1(d)
     # as the format 1 writer serialized it (asdict + indent=1, sort_keys=True): keys sorted
-    (d / mf.MARKER).unlink()
-    (d / mf.MARKER).write_text(json.dumps(v1, indent=1, sort_keys=True))
-    m = mf.read_marker(d)
-    assert m is not None and m.format == mf.FORMAT_V1 and m.index_files is None
+    (d / MARKER).unlink()
+    (d / MARKER).write_text(json.dumps(v1, indent=1, sort_keys=True))
+    m = commit.read_marker(d)
+    assert m is not None and m.format == FORMAT_V1 and m.index_files is None
     assert json.loads(m.to_json()) == v1                   # format 1 still serializes as format 1
     got = tc.load(config=cfg)
     assert _same({k: state[k] for k in sorted(state)}, {k: got[k] for k in sorted(got)})
@@ -167,7 +167,7 @@ def test_a_damaged_or_hostile_index_file_makes_its_checkpoint_not_loadable(
     bad = root / "m" / "global_epoch0_step2"
     needle = _spoil(bad, how, tmp_path / "outside.json")
 
-    info = mf.find(root, "m", bad.name)
+    info = commit.find(root, "m", bad.name)
     assert info is not None and info.committed is not by_size
     if by_size:
         assert needle in (info.why_not_committed or "")
@@ -187,7 +187,7 @@ def test_a_damaged_or_hostile_index_file_makes_its_checkpoint_not_loadable(
     (lambda m: m.update(index_files=[]), "not a list of 1 file path(s)"),
     (lambda m: m.update(index_files=[5]), "index_files[0] is 5"),
     (lambda m: m["files"][-1].update(hash=None), "without a hash"),
-    (lambda m: m["files"][-1].update(size=mf.MAX_INDEX_BYTES + 1), f"more than {mf.MAX_INDEX_BYTES}"),
+    (lambda m: m["files"][-1].update(size=MAX_INDEX_BYTES + 1), f"more than {MAX_INDEX_BYTES}"),
     (lambda m: m["files"][-1].update(rank=1) or m.update(world_size=2, index_files=[m["index_files"][0]] * 2),
      "a file of rank 1"),
 ])
@@ -199,7 +199,7 @@ def test_a_marker_whose_index_pointer_is_wrong_is_invalid(edit: Callable[[dict[s
     assert m["files"][-1]["path"] == m["index_files"][0]       # the part manifest is listed last
     edit(m)
     index_files.write_marker(d, m)
-    info = mf.find(root, "m", NAME)
+    info = commit.find(root, "m", NAME)
     assert info is not None and not info.committed and needle in (info.why_not_committed or ""), info
     assert tc.latest(config=cfg) is None
 
@@ -209,16 +209,16 @@ def test_latest_is_the_newest_committed_and_skips_newer_broken_ones(cfg: NodeCon
     for step in range(1, 31):
         tc.save({"s": np.full(8, step, dtype=np.int32)}, epoch=0, step=step, config=cfg)
     mdir = root / "m"
-    (mdir / "global_epoch0_step30" / mf.MARKER).write_bytes(b'{"format": "tiered-ckpt/2", "ep')    # torn
+    (mdir / "global_epoch0_step30" / MARKER).write_bytes(b'{"format": "tiered-ckpt/2", "ep')    # torn
     shard = next((mdir / "global_epoch0_step29").glob("shard-*.bin"))
     shard.write_bytes(shard.read_bytes()[:-1])                                                     # short file
-    (mdir / "global_epoch0_step28" / mf.MARKER).unlink()                                           # in flight
+    (mdir / "global_epoch0_step28" / MARKER).unlink()                                           # in flight
     (mdir / "global_epoch1_step0").mkdir()                                                         # empty, newer
     (mdir / "not-a-checkpoint").mkdir()
 
     inspected: list[str] = []
-    real = mf.inspect
-    monkeypatch.setattr(mf, "inspect", lambda model, path, cid, **kw: inspected.append(cid.name) or real(
+    real = commit.inspect
+    monkeypatch.setattr(commit, "inspect", lambda model, path, cid, **kw: inspected.append(cid.name) or real(
         model, path, cid, **kw))
     info = tc.latest(config=cfg)
     assert info is not None and info.name == "global_epoch0_step27"
@@ -228,7 +228,7 @@ def test_latest_is_the_newest_committed_and_skips_newer_broken_ones(cfg: NodeCon
     assert int(tc.load(config=cfg)["s"][0]) == 27
 
     inspected.clear()
-    infos = mf.scan(root, "m")
+    infos = commit.scan(root, "m")
     assert len(inspected) == 31 and [c.name for c in infos][-5:] == [
         "global_epoch0_step27", "global_epoch0_step28", "global_epoch0_step29", "global_epoch0_step30",
         "global_epoch1_step0"]
@@ -248,7 +248,7 @@ def test_file_mode_commit_waits_for_a_whole_part_not_a_partly_written_one(tmp_pa
     from tiered_ckpt.naming import make_id
 
     cid, sid = make_id(0, 1), "job-1"
-    whole = mf.encode_part({"save_id": sid, "nonce": "n1", "rank": 1, "world_size": 2, "checkpoint": cid.name, "files": []},
+    whole = encode_part({"save_id": sid, "nonce": "n1", "rank": 1, "world_size": 2, "checkpoint": cid.name, "files": []},
                            {"index": {"w": {"kind": "bytes", "dtype": None, "shape": None, "nbytes": 0,
                                             "segments": []}}})
     head_end = whole.index(b"\n") + 1

@@ -13,7 +13,7 @@ import tiered_ckpt as tc
 from tiered_ckpt.cli import app as cli
 from tiered_ckpt.config import ConfigError, MemoryConfig, NodeConfig, dump, load
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.lifecycle import metrics
 from tiered_ckpt.tiers import memory as tm
 
@@ -59,7 +59,7 @@ def test_a_half_written_copy_is_not_a_checkpoint_and_is_cleared(tmp_path: Path) 
     root = tm.own_root(mdir, 2, 1)
     _copy(root, 1)
     _copy(root, 2)
-    (root / "m" / "global_epoch0_step2" / mf.MARKER).unlink()     # killed before its marker
+    (root / "m" / "global_epoch0_step2" / MARKER).unlink()     # killed before its marker
     assert [i.name for i in tm.committed(root, "m", "global_epoch")] == ["global_epoch0_step1"]
     _copy(root, 3)
     tm.trim(root, "m", "global_epoch", keep=2)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.toolkit import memory_ranks as M
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 
 pytest.importorskip("torch")
 # Each test is two or three launches of real processes (each imports torch): seconds on an idle
@@ -42,7 +43,7 @@ def _loaded(res: list[M.Ranked], step: int, tiers: list[str]) -> None:
 
 
 def _on_root(root: Path) -> list[str]:
-    return [i.name for i in mf.committed(mf.scan(root, "m"))]
+    return [i.name for i in commit.committed(commit.scan(root, "m"))]
 
 
 def test_two_nodes_restore_from_memory_then_a_wiped_node_from_its_peer(root: Path, tmp_path: Path) -> None:
@@ -54,7 +55,7 @@ def test_two_nodes_restore_from_memory_then_a_wiped_node_from_its_peer(root: Pat
     mems[1].mkdir()
     _loaded(M.run(2, 1, root, mems, [["load"]]), 2, ["memory", "peer"])
     # The replacement node got its copy back: a process restart now loads from its own memory.
-    assert (mems[1] / "w2" / "r1" / "m" / NAME.format(2) / mf.MARKER).is_file()
+    assert (mems[1] / "w2" / "r1" / "m" / NAME.format(2) / MARKER).is_file()
 
 
 def test_three_nodes_a_corrupt_replica_byte_falls_back_to_the_previous_step_in_one_record(
@@ -82,7 +83,7 @@ def test_sigkill_mid_save_every_rank_resumes_the_step_all_of_them_committed(root
     assert res[0].rc == 0 and res[0].out["saved"] == [1, 2]
     assert any("not every rank took part" in e for e in res[0].out["errors"]), res[0].out
     # Rank 0 committed step 3 in its memory, rank 1 did not: both resume step 2, never a mix.
-    assert (mems[0] / "w2" / "r0" / "m" / NAME.format(3) / mf.MARKER).is_file()
+    assert (mems[0] / "w2" / "r0" / "m" / NAME.format(3) / MARKER).is_file()
     _loaded(M.run(2, 1, root, mems, [["load"]]), 2, ["memory", "memory"])
 
 
@@ -93,7 +94,7 @@ def test_sigkill_mid_replica_then_a_lost_node_resumes_from_the_last_whole_replic
     assert res[0].rc == 0 and res[0].out["saved"] == [1, 2, 3]
     assert any("replica" in e for e in res[0].out["errors"]), res[0].out      # logged, training went on
     half = mems[0] / "peer" / "w2" / "r1" / "m" / NAME.format(3)
-    assert not (half / mf.MARKER).exists()
+    assert not (half / MARKER).exists()
     shutil.rmtree(mems[1])           # the killed rank's node is gone with its RAM
     mems[1].mkdir()
     _loaded(M.run(2, 1, root, mems, [["load"]]), 2, ["memory", "peer"])
@@ -107,7 +108,7 @@ def test_a_full_memory_budget_evicts_older_copies_then_refuses_clearly(root: Pat
     assert r.rc == 0 and r.out["saved"] == [1, 2, 3], (r.out, r.err[-2000:])
     (err,) = r.out["errors"]         # the 0.5 MB state: one clear error, training goes on
     assert "memory tier full" in err and "memory.budget_bytes=23000" in err and "tier='lustre'" in err, err
-    own = [i.name for i in mf.committed(mf.scan(mems[0] / "w1" / "r0", "m"))]
+    own = [i.name for i in commit.committed(commit.scan(mems[0] / "w1" / "r0", "m"))]
     assert own == [NAME.format(2), NAME.format(3)]       # step 1 evicted to fit step 3; the refusal evicted nothing
     _loaded(M.run(1, 1, root, mems, [["load"]], keep=5, budget=23_000), 3, ["memory"])
 

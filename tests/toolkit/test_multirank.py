@@ -11,7 +11,7 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.reader import verify
 
 RANK = r"""
@@ -49,7 +49,7 @@ def test_three_ranks_commit_once_with_every_ranks_files(cfg: NodeConfig, root: P
         rc, out, err = _result(p)
         assert rc == 0 and out["ok"], (out, err)
     d = root / "m" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and m.world_size == 3
     by_rank = {r: sorted(f.path for f in m.files if f.rank == r) for r in range(3)}
     for r in range(3):
@@ -67,7 +67,7 @@ def test_a_missing_rank_means_nothing_is_committed(root: Path) -> None:
     assert rc0 != 0 and "rank(s) [2] did not finish" in str(out0["error"]) and "nothing was committed" in str(out0["error"])
     assert rc1 != 0 and "rank 0 could not commit" in str(out1["error"])
     assert "Traceback" not in err0 + err1
-    assert mf.read_marker(root / "m" / "global_epoch0_step1") is None
+    assert commit.read_marker(root / "m" / "global_epoch0_step1") is None
 
 
 def test_parts_of_a_crashed_earlier_attempt_are_never_committed(root: Path) -> None:
@@ -82,7 +82,7 @@ def test_parts_of_a_crashed_earlier_attempt_are_never_committed(root: Path) -> N
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rc, out, _ = _result(p0)
     assert rc != 0 and "did not finish" in str(out["error"])
-    assert mf.read_marker(d) is None
+    assert commit.read_marker(d) is None
 
 
 def test_several_ranks_without_torch_need_a_save_id(cfg: NodeConfig) -> None:

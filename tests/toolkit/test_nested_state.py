@@ -14,8 +14,8 @@ import tiered_ckpt as tc
 from tests.toolkit import index_files
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import reader
+from tiered_ckpt.io import commit, reader
+from tiered_ckpt.io.marker import MARKER, InvalidMarker, parse_marker, validate
 
 needs_torch = pytest.mark.skipif(__import__("importlib").util.find_spec("torch") is None, reason="torch not installed")
 
@@ -80,7 +80,7 @@ def test_model_and_adamw_state_round_trip_bit_exact_and_load_back(cfg: NodeConfi
     # the structure is in the rank's index file (and validates), the buffers under their paths
     head, body = index_files.part(root / "m" / "global_epoch1_step3", 0)
     assert "structure" in body and "optim.state.3.exp_avg" in body["index"]
-    m = mf.read_marker(root / "m" / "global_epoch1_step3")
+    m = commit.read_marker(root / "m" / "global_epoch1_step3")
     assert m is not None and reader.read_index(root / "m" / "global_epoch1_step3", m, 0).structure == body["structure"]
 
 
@@ -175,7 +175,7 @@ def test_flat_state_marker_has_no_structure_and_old_markers_still_load(cfg: Node
                      {"hash": None, "path": "rank00000.part.json", "rank": 0, "size": 2}],
            "index": {"save_id": None, "ranks": {"0": {"g": {"kind": "bytes", "dtype": None, "shape": None, "nbytes": 5,
                                                             "segments": [["shard-r00000-000.bin", 0, 5, 0]]}}}}}
-    (d / mf.MARKER).write_text(json.dumps(old, indent=1, sort_keys=True))
+    (d / MARKER).write_text(json.dumps(old, indent=1, sort_keys=True))
     out = tc.load("global_epoch0_step2", config=cfg)
     assert list(out) == ["g"] and bytes(out["g"]) == b"hello"
 
@@ -203,17 +203,17 @@ def _with_structure(tree: Any) -> dict[str, Any]:
 def test_marker_structure_is_validated(tree: Any, needle: str) -> None:
     d = _with_structure(tree)
     if not needle:
-        assert mf.validate(d).index["structure"]["0"] == tree
+        assert validate(d).index["structure"]["0"] == tree
         return
-    with pytest.raises(mf.InvalidMarker) as err:
-        mf.parse_marker(json.dumps(d))
+    with pytest.raises(InvalidMarker) as err:
+        parse_marker(json.dumps(d))
     assert needle in str(err.value) and "\n" not in str(err.value)
     d["index"]["structure"] = {"1": {"val": 1}}
-    with pytest.raises(mf.InvalidMarker, match="not a rank of index.ranks"):
-        mf.validate(d)
+    with pytest.raises(InvalidMarker, match="not a rank of index.ranks"):
+        validate(d)
     d["index"]["structure"] = []
-    with pytest.raises(mf.InvalidMarker, match="not a mapping"):
-        mf.validate(d)
+    with pytest.raises(InvalidMarker, match="not a mapping"):
+        validate(d)
 
 
 RANK = r"""

@@ -18,8 +18,8 @@ import tiered_ckpt as tc
 from tests.toolkit import index_files
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import marker, nested, reader
+from tiered_ckpt.io import commit, marker, nested, reader
+from tiered_ckpt.io.marker import Manifest
 from tiered_ckpt.io.reader import verify
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
@@ -124,7 +124,7 @@ def _file_mode(root: Path, sid: str, kill: tuple[bool, bool] = (False, False),
     return res
 
 
-def _shards(m: mf.Manifest) -> dict[int, int]:
+def _shards(m: Manifest) -> dict[int, int]:
     out: dict[int, int] = {}
     for f in m.files:
         if f.path.startswith("shard-"):
@@ -137,7 +137,7 @@ def test_two_gloo_ranks_write_the_replicated_model_once_and_both_load_it(root: P
     outs = _gloo("ok", root, tmp_path)
     assert all(o["ok"] and o["into"] and o["async"] for o in outs), outs
     d = root / "m" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and verify(d, check_hash=True).ok
     model_bytes = sum(64 * (96 + 8 * i) * 4 + 17 * 2 for i in range(6))
     per_rank = _shards(m)
@@ -161,7 +161,7 @@ def test_replicated_data_that_differs_between_ranks_is_refused_not_lost(root: Pa
         assert o["error"] and "'model.layer2.w' is declared replicated, but its content differs between rank" in o["error"], o
         assert "nothing was committed" in o["error"] or "not committed" in o["error"], o
         assert o["own"], o          # saved per rank instead, each rank gets its own back
-    committed = {c.name for c in mf.scan(root, "m") if c.committed}
+    committed = {c.name for c in commit.scan(root, "m") if c.committed}
     assert committed == {"global_epoch0_step3"}
 
 
@@ -169,16 +169,16 @@ def test_ranks_that_disagree_on_what_is_replicated_are_refused(root: Path) -> No
     res = _file_mode(root, "disagree-0", rep=(True, False))
     assert all(rc != 0 for rc, _ in res), res
     assert "replicated=" in res[0][1]["error"] and "not committed" in res[0][1]["error"], res
-    assert not [c for c in mf.scan(root, "m") if c.committed]
+    assert not [c for c in commit.scan(root, "m") if c.committed]
 
 
 def test_a_rank_killed_mid_save_never_commits_with_a_replicated_entry_missing(root: Path) -> None:
     res = _file_mode(root, "job1-attempt0", kill=(False, True), wait=5)
     assert res[1][0] == -9 and res[0][0] != 0, res        # rank 1 SIGKILLed; rank 0 gave up
-    assert not [c for c in mf.scan(root, "m") if c.committed]
+    assert not [c for c in commit.scan(root, "m") if c.committed]
     res = _file_mode(root, "job1-attempt1")              # the next save of the name succeeds
     assert all(rc == 0 for rc, _ in res), res
-    m = mf.read_marker(root / "m" / "global_epoch0_step1")
+    m = commit.read_marker(root / "m" / "global_epoch0_step1")
     assert m is not None and set(_shards(m)) == {0, 1}
     rng = np.random.default_rng(0)
     want = {f"p{i}": rng.standard_normal(40_000 + 1000 * i) for i in range(4)}
@@ -195,7 +195,7 @@ def test_a_marker_naming_a_missing_replicated_buffer_is_not_committed(root: Path
     refs = nested.remote_refs(index_files.part(d, 0)[1]["structure"])
     assert refs and all(owner == 1 for owner, _ in refs), refs     # rank 0 left part of the model to rank 1
     owner, name = refs[0]
-    before = mf.find(root, "m", "global_epoch0_step1")
+    before = commit.find(root, "m", "global_epoch0_step1")
     assert before is not None
     for r in (0, 1):                                       # as written: each rank loads the whole model
         assert set(reader.load(before, rank=r)["model"]) == set(reader.load(before, rank=1 - r)["model"])
@@ -206,7 +206,7 @@ def test_a_marker_naming_a_missing_replicated_buffer_is_not_committed(root: Path
     # format 2: the owner's index file no longer holds it (size and hash re-recorded: a valid
     # file, a hostile index) -> neither rank can load (rank 1's own tree names it too); verify says so
     index_files.rewrite_part(d, owner, lambda head, body: body["index"].pop(name))
-    info = mf.find(root, "m", "global_epoch0_step1")
+    info = commit.find(root, "m", "global_epoch0_step1")
     assert info is not None and info.committed             # the marker alone is fine
     with pytest.raises(IntegrityError, match=f"not committed .invalid index .*names buffer '{name}' of rank {owner}"):
         reader.load(info, rank=0)

@@ -15,7 +15,7 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConflictError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.reader import verify
 
 RANK = r"""
@@ -64,7 +64,7 @@ def test_a_requeued_attempt_reusing_the_save_id_commits_its_own_bytes_only(root:
     # Attempt 1 dies after rank 1 published its part, before rank 0 committed.
     a1 = [_result(p) for p in [_rank(root, r, 1.0, crash=True) for r in (0, 1)]]
     assert [rc for rc, _, _ in a1] == [9, 9], [e[-2000:] for _, _, e in a1]
-    assert (d / "rank00001.job-4242.part.json").exists() and mf.read_marker(d) is None
+    assert (d / "rank00001.job-4242.part.json").exists() and commit.read_marker(d) is None
     # Attempt 2, same save id; one rank starts 2 s after the other (rank 1 first: it first finds
     # the claim attempt 1 left, and re-binds its part once rank 0's live claim replaces it).
     t0 = time.monotonic()
@@ -73,7 +73,7 @@ def test_a_requeued_attempt_reusing_the_save_id_commits_its_own_bytes_only(root:
     for r, (rc, out, err) in a2.items():
         assert rc == 0 and out.get("ok"), (r, out, err[-3000:])
     assert time.monotonic() - t0 >= 2.0
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and verify(d, check_hash=True).ok
     for r in (0, 1):
         got = np.asarray(tc.load(NAME, config=cfg, rank=r, verify_hash=True)["w"])
@@ -82,7 +82,7 @@ def test_a_requeued_attempt_reusing_the_save_id_commits_its_own_bytes_only(root:
     # committed: refused, and its clean-up removes nothing the marker lists.
     rc, out, err = _result(_rank(root, 1, 3.0))
     assert rc == ConflictError.exit_code and out.get("cls") == "ConflictError", (out, err[-3000:])
-    assert mf.read_marker(d) == m and verify(d, check_hash=True).ok
+    assert commit.read_marker(d) == m and verify(d, check_hash=True).ok
     assert (np.asarray(tc.load(NAME, config=cfg, rank=1, verify_hash=True)["w"]) == 2.0).all()
 
 
@@ -95,4 +95,4 @@ def test_a_stale_part_of_the_same_save_id_is_never_committed_alone(root: Path) -
     p = subprocess.run([sys.executable, "-c", code, str(root), "0", "job-4242", "2.0", "0", "0"], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode != 0 and "rank(s) [1] did not finish writing" in p.stdout, (p.stdout, p.stderr[-2000:])
-    assert mf.read_marker(d) is None
+    assert commit.read_marker(d) is None

@@ -11,8 +11,8 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import reader
+from tiered_ckpt.io import commit, reader
+from tiered_ckpt.io.marker import FORMAT, MARKER, part_body
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
 from tiered_ckpt.io.sources import SyntheticSource
@@ -48,16 +48,16 @@ def test_round_trip_restores_every_buffer_with_dtype_and_shape(cfg: NodeConfig, 
 def test_files_are_sharded_final_names_and_manifest_lists_every_file(cfg: NodeConfig, root: Path) -> None:
     tc.save(_state(), epoch=0, step=1, config=cfg)
     d = root / "m" / "global_epoch0_step1"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None
     on_disk = sorted(p.name for p in d.iterdir())
-    assert on_disk == sorted([f.path for f in m.files] + [mf.MARKER])
+    assert on_disk == sorted([f.path for f in m.files] + [MARKER])
     shards = [f for f in m.files if f.path.endswith(".bin")]
     assert len(shards) == cfg.io.files_per_rank
     sizes = [f.size for f in shards]
     assert len(set(sizes[:-1])) == 1 and sizes[-1] <= sizes[0], "shards are of equal size (the last takes the rest)"
     assert all(f.hash and len(f.hash) == 32 for f in m.files)
-    assert not mf.size_problems(d, m)
+    assert not commit.size_problems(d, m)
 
 
 def test_load_into_caller_buffers_checks_sizes(cfg: NodeConfig) -> None:
@@ -87,7 +87,7 @@ def test_corruption_is_found_by_hash_and_truncation_by_size(cfg: NodeConfig, roo
     with pytest.raises(IntegrityError, match="hash differs"):
         tc.load("global_epoch0_step3", config=cfg, verify_hash=True)
     os.truncate(shard, 100)
-    assert mf.find(root, "m", "global_epoch0_step3").committed is False  # type: ignore[union-attr]
+    assert commit.find(root, "m", "global_epoch0_step3").committed is False  # type: ignore[union-attr]
     assert not verify(d).ok
 
 
@@ -113,16 +113,16 @@ def test_stream_source_and_buffered_mode(cfg: NodeConfig, root: Path) -> None:
 
 def test_index_records_where_each_buffer_lives(cfg: NodeConfig, root: Path) -> None:
     tc.save(_state(), epoch=0, step=6, config=cfg)
-    m = mf.read_marker(root / "m" / "global_epoch0_step6")
+    m = commit.read_marker(root / "m" / "global_epoch0_step6")
     assert m is not None
     # The marker points at the rank's part manifest, which holds the index (marker format 2).
-    assert m.format == mf.FORMAT and m.index == {} and m.index_files == [f"rank00000.{m.save_id}.part.json"]
+    assert m.format == FORMAT and m.index == {} and m.index_files == [f"rank00000.{m.save_id}.part.json"]
     idx = reader.read_index(root / "m" / "global_epoch0_step6", m, 0)
     entry = idx.buffers["weights"]
     assert entry["kind"] == "numpy" and entry["shape"] == [300, 517] and entry["nbytes"] == 300 * 517 * 4
     assert sum(seg[2] for seg in entry["segments"]) == entry["nbytes"]
     part = (root / "m" / "global_epoch0_step6" / f"rank00000.{m.save_id}.part.json").read_bytes()
-    assert mf.part_body(part)["index"] == idx.buffers
+    assert part_body(part)["index"] == idx.buffers
 
 
 def test_bad_input_gives_one_clear_error(cfg: NodeConfig) -> None:
@@ -155,18 +155,18 @@ def test_device_tensors_are_copied_block_by_block(cfg: NodeConfig, monkeypatch: 
     its device check, so the code GPU tensors run is exercised end to end."""
     import torch
 
-    from tiered_ckpt.io import sources as buffers
+    from tiered_ckpt.io import sources
 
     t = torch.randn(3000, 77)                       # 924 KB: several 256 KiB blocks through a 1 MiB pool
-    real = buffers.to_source
+    real = sources.to_source
 
-    def as_device(name: str, obj: object) -> buffers.Source:
+    def as_device(name: str, obj: object) -> sources.Source:
         src = real(name, obj)
         if isinstance(obj, torch.Tensor):
             src.device_bytes, src.view, src.address = obj.reshape(-1).view(torch.uint8), None, None
         return src
 
-    monkeypatch.setattr(buffers, "to_source", as_device)
+    monkeypatch.setattr(sources, "to_source", as_device)
     monkeypatch.setattr("tiered_ckpt.api.to_sources", lambda st: [as_device(k, v) for k, v in st.items()])
     tc.save({"t": t}, epoch=0, step=8, config=cfg)
     out = tc.load(config=cfg, verify_hash=True)

@@ -10,13 +10,15 @@ import sys
 import time
 from pathlib import Path
 
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.io.reader import verify
 
 WRITER = r"""
 import os, sys
 import tiered_ckpt as tc
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.config import IoConfig, NodeConfig
 cfg = NodeConfig(root=sys.argv[1], model="m", io=IoConfig(threads=3, files_per_rank=4, block_size=128 << 10,
                                                            sync_buffer_bytes=512 << 10, staging_bytes=1 << 20))
@@ -29,11 +31,11 @@ while True:
         tc.save(state, epoch=0, step=step, config=cfg)                 # over a crashed attempt, if any
     else:
         tc.async_save(state, epoch=0, step=step, config=cfg).wait()
-    print("C", mf.CheckpointId(0, step).name, flush=True)
-    done = [c for c in mf.scan(cfg.root, "m") if c.committed]
+    print("C", commit.CheckpointId(0, step).name, flush=True)
+    done = [c for c in commit.scan(cfg.root, "m") if c.committed]
     for c in done[:-3]:                                                # keep the newest three
         print("D", c.name, flush=True)
-        mf.remove_checkpoint(c.path)
+        commit.remove_checkpoint(c.path)
 """
 
 
@@ -65,19 +67,19 @@ def test_sigkill_at_random_points_never_leaves_a_false_commit(root: Path) -> Non
             tag, name = line.split()
             (reported.append if tag == "C" else deleted.add)(name)
 
-        infos = mf.scan(root, "m")
+        infos = commit.scan(root, "m")
         mid_save += any(not c.committed for c in infos)
         for c in infos:
-            if (c.path / mf.MARKER).exists() and mf.read_marker(c.path) is not None:
+            if (c.path / MARKER).exists() and commit.read_marker(c.path) is not None:
                 rep = verify(c.path, check_hash=True)
                 assert rep.ok, f"{c.name} has a marker but is not intact (seed {seed}, run {run}): {rep.problems}"
         alive = [n for n in reported if n not in deleted]
         for name in alive:
-            info = mf.find(root, "m", name)
+            info = commit.find(root, "m", name)
             assert info is not None and info.committed, f"{name} was committed, then lost (seed {seed}, run {run})"
-        latest = mf.latest_committed(root, "m")
+        latest = commit.latest_committed(root, "m")
         if reported:
-            assert latest is not None and latest.id >= mf.CheckpointId(0, int(reported[-1].rsplit("step", 1)[1]))
+            assert latest is not None and latest.id >= commit.CheckpointId(0, int(reported[-1].rsplit("step", 1)[1]))
     assert kills == 25 and len(reported) >= 25
     # most kills land inside a save (writing, fsync, commit or delete), leaving an unfinished directory
     assert mid_save >= 5, f"only {mid_save} of 25 kills hit a save in progress (seed {seed})"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.io.reader import verify
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
@@ -60,7 +60,7 @@ def _run(root: Path, tmp: Path, bad: bool) -> list[dict[str, object]]:
 def test_two_torch_ranks_save_async_save_and_load(root: Path, tmp_path: Path) -> None:
     outs = _run(root, tmp_path, bad=False)
     assert all(o["ok"] and o["async_ok"] for o in outs), outs
-    m = mf.read_marker(root / "m" / "global_epoch0_step1")
+    m = commit.read_marker(root / "m" / "global_epoch0_step1")
     assert m is not None and m.world_size == 2 and {f.rank for f in m.files} == {0, 1}
     assert verify(root / "m" / "global_epoch0_step1", check_hash=True).ok
 
@@ -69,4 +69,4 @@ def test_one_rank_failing_fails_every_rank_without_hanging(root: Path, tmp_path:
     outs = _run(root, tmp_path, bad=True)
     assert "'oops' (set) is not a buffer" in str(outs[1]["error"])
     assert "rank 1 failed" in str(outs[0]["error"]) and "nothing was committed" in str(outs[0]["error"])
-    assert mf.read_marker(root / "m" / "global_epoch0_step1") is None
+    assert commit.read_marker(root / "m" / "global_epoch0_step1") is None

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 
@@ -116,7 +116,7 @@ def _run(mode: str, root: Path, tmp: Path, world: int, wrap: str = "none") -> li
 
 
 def _shard_bytes(root: Path, name: str) -> int:
-    m = mf.read_marker(root / "m" / name)
+    m = commit.read_marker(root / "m" / name)
     assert m is not None
     return sum(f.size for f in m.files if f.path.startswith("shard-"))
 
@@ -127,7 +127,7 @@ def test_one_process_without_a_process_group_round_trips_bit_exact(root: Path, t
     assert o["restored"] and o["resumed"], o           # weights, AdamW state, param_groups, scheduler
     assert o["steps"] == [3.0], o                      # AdamW's step counters
     assert o["extra"] == {"rank": 0, "seen": [3, 0], "rng": True}, o
-    assert [c.name for c in mf.scan(root, "m") if c.committed] == ["global_epoch0_step3"]
+    assert [c.name for c in commit.scan(root, "m") if c.committed] == ["global_epoch0_step3"]
 
 
 def test_ddp_on_two_ranks_stored_once_resumed_on_two_and_on_one(root: Path, tmp_path: Path) -> None:

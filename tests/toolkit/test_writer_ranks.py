@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
+from tiered_ckpt.io.marker import MARKER
 
 TORCH_RANK = r"""
 import json, os, sys, time
@@ -56,9 +57,9 @@ def attempt(case, step, state=None, patch=None):
     r["seconds"] = time.monotonic() - t0
     out[case] = r
 
-attempt("prepare", 1, patch=(writer.mf, "require_root", boom("boom-prepare")))
+attempt("prepare", 1, patch=(writer.commit, "require_root", boom("boom-prepare")))
 attempt("produce", 2, state={"s": Boom()} if rank == 0 else None)
-attempt("commit", 3, patch=(writer.mf, "write_marker", boom("boom-commit")))
+attempt("commit", 3, patch=(writer.commit, "write_marker", boom("boom-commit")))
 attempt("after", 3)                       # the claim was released, the failed attempt's files go
 if rank == 0:                             # another saver holds the name: the whole job loses
     with lock.checkpoint_lock(root, "m", "global_epoch0_step4", "someone else"):
@@ -97,19 +98,19 @@ def test_any_exception_on_rank_0_fails_rank_1_within_the_barrier_timeout(root: P
         assert "nothing was committed" in r1[case]["error"]
         assert r1[case]["seconds"] < T, (case, r1[case])
     for step in (1, 2):
-        assert mf.read_marker(root / "m" / f"global_epoch0_step{step}") is None
+        assert commit.read_marker(root / "m" / f"global_epoch0_step{step}") is None
     assert r0["after"]["ok"] and r1["after"]["ok"], (r0["after"], r1["after"])
-    m = mf.read_marker(root / "m" / "global_epoch0_step3")
+    m = commit.read_marker(root / "m" / "global_epoch0_step3")
     assert m is not None and m.save_id and all(m.save_id in f.path for f in m.files)
     on_disk = {p.name for p in (root / "m" / "global_epoch0_step3").iterdir()}
-    assert on_disk == {f.path for f in m.files} | {mf.MARKER}, "the failed attempt's files are gone"
+    assert on_disk == {f.path for f in m.files} | {MARKER}, "the failed attempt's files are gone"
     # the losing job: every rank gets ConflictError, nothing of it is on disk
     assert r0["conflict"]["cls"] == r1["conflict"]["cls"] == "ConflictError", (r0["conflict"], r1["conflict"])
     assert not (root / "m" / "global_epoch0_step4").exists() or not any((root / "m" / "global_epoch0_step4").iterdir())
     # a rank that never arrives: the other fails after the barrier timeout, not gloo's 30 minutes
     assert not r1["absent"]["ok"] and "not every rank took part" in r1["absent"]["error"], r1["absent"]
     assert r1["absent"]["seconds"] < T + 5, r1["absent"]
-    assert mf.read_marker(root / "m" / "global_epoch0_step5") is None
+    assert commit.read_marker(root / "m" / "global_epoch0_step5") is None
 
 
 FILE_RANK = r"""
@@ -126,7 +127,7 @@ def boom(*a, **k):
     raise RuntimeError("boom-" + fail_at)
 
 if rank == 1 and fail_at == "prepare":
-    writer.mf.require_root = boom
+    writer.commit.require_root = boom
 if rank == 1 and fail_at == "write":
     writer.Save._write_part = boom
 if rank == 1 and fail_at == "state":
@@ -157,5 +158,5 @@ def test_file_mode_any_exception_on_one_rank_stops_the_others_at_once(root: Path
     assert not r0["ok"] and "rank 1 failed" in r0["error"] and f"boom-{fail_at}" in r0["error"], r0
     assert r0["seconds"] < 15, "rank 0 learns of it from the failure note, not from the barrier timeout"
     d = root / "m" / "global_epoch0_step1"
-    assert mf.read_marker(d) is None
+    assert commit.read_marker(d) is None
     assert not [p.name for p in d.iterdir() if p.name.startswith("shard-")], "each rank removed its own files"

@@ -17,8 +17,8 @@ import pytest
 import tiered_ckpt as tc
 from tiered_ckpt.config import ArchiveConfig, IoConfig, NodeConfig
 from tiered_ckpt.errors import ConflictError, UnavailableError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import layout, writer
+from tiered_ckpt.io import commit, layout, writer
+from tiered_ckpt.io.marker import MARKER, Manifest
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.reader import verify
 from tiered_ckpt.naming import parse_name, require_name
@@ -74,11 +74,11 @@ def test_two_processes_saving_one_step_exactly_one_commits_its_own_bytes(cfg: No
     out_a, err_a = a.communicate(timeout=60)
     assert a.returncode == 0, err_a[-2000:]
     res_a = json.loads(out_a.strip().splitlines()[-1])
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None and m.save_id == res_a["save_id"]
     assert verify(d, check_hash=True).ok
     assert bytes(tc.load("global_epoch0_step5", config=cfg, verify_hash=True)["w"]) == b"\xaa" * (1 << 20)
-    assert {p.name for p in d.iterdir()} == {f.path for f in m.files} | {mf.MARKER}
+    assert {p.name for p in d.iterdir()} == {f.path for f in m.files} | {MARKER}
 
 
 def test_every_file_carries_the_save_id_and_the_marker_names_it(cfg: NodeConfig, root: Path) -> None:
@@ -86,7 +86,7 @@ def test_every_file_carries_the_save_id_and_the_marker_names_it(cfg: NodeConfig,
     r2 = tc.save({"a": b"x"}, epoch=0, step=2, config=cfg, save_id="job-42.attempt_1")
     assert r1.save_id != r2.save_id and r2.save_id == "job-42.attempt_1"
     for r in (r1, r2):
-        m = mf.read_marker(r.path)
+        m = commit.read_marker(r.path)
         assert m is not None and m.save_id == r.save_id
         for f in m.files:
             assert layout.file_owner(f.path) is not None and layout.file_owner(f.path)[1] == r.save_id  # type: ignore[index]
@@ -101,14 +101,14 @@ def test_a_name_archived_and_deleted_by_retention_is_never_saved_again(cfg: Node
 
     tc.save({"a": b"v1" * 1000}, epoch=0, step=200, config=cfg)
     d = root / "m" / "global_epoch0_step200"
-    m = mf.read_marker(d)
+    m = commit.read_marker(d)
     assert m is not None
     tombstone.record(root, "m", d.name, m)              # what retention does before deleting it
-    mf.remove_checkpoint(d)
+    commit.remove_checkpoint(d)
     assert tombstone.present(root, "m", d.name)
     with pytest.raises(ConflictError, match="committed in the archive.*never overwritten"):
         tc.save({"a": b"v2" * 1000}, epoch=0, step=200, config=cfg)
-    assert not d.exists() or mf.read_marker(d) is None
+    assert not d.exists() or commit.read_marker(d) is None
     tombstone.clear(root, "m", d.name)                  # the archived copy was deleted too: the name is free
     tc.save({"a": b"v2" * 1000}, epoch=0, step=200, config=cfg)
 
@@ -132,10 +132,10 @@ def test_a_name_committed_in_blob_is_refused_even_without_a_local_trace(root: Pa
     tc.save({"a": b"v1" * 5000}, epoch=0, step=200, config=cfg)
     d = root / "m" / "global_epoch0_step200"
     _archive(cfg, d)
-    mf.remove_checkpoint(d)                              # deleted locally (no tombstone: e.g. by hand)
+    commit.remove_checkpoint(d)                              # deleted locally (no tombstone: e.g. by hand)
     with pytest.raises(ConflictError, match="COMMITTED.json exists in Blob"):
         tc.save({"a": b"v2" * 5000}, epoch=0, step=200, config=cfg)
-    assert not d.exists() or mf.read_marker(d) is None
+    assert not d.exists() or commit.read_marker(d) is None
     tc.save({"a": b"v3"}, epoch=0, step=201, config=cfg)  # other names are fine
 
 
@@ -154,7 +154,7 @@ def test_a_name_that_cannot_be_checked_against_the_archive_is_refused_unless_all
         tc.save({"a": b"x"}, epoch=0, step=1, config=cfg, archive_check="sometimes")
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt.lifecycle.reuse"):
         r = tc.save({"a": b"x" * 1000}, epoch=0, step=1, config=cfg, archive_check="best_effort")
-    assert mf.read_marker(r.path) is not None
+    assert commit.read_marker(r.path) is not None
     assert "could not check whether global_epoch0_step1 is committed in the archive" in caplog.text
     assert "COMMITTED.json will be replaced" in caplog.text and key not in caplog.text
 
@@ -199,14 +199,14 @@ def test_two_env_var_ranks_cannot_resave_a_name_committed_in_the_archive(root: P
 
     store = BlobStore(cfg.archive, backoff=0.05)
     archived = {rel: b.size for rel, b in store.listing("m").items()}
-    marker_before = store.get_bytes(f"m/{d.name}/{mf.MARKER}")
-    mf.remove_checkpoint(d)                              # retention deleted it locally
+    marker_before = store.get_bytes(f"m/{d.name}/{MARKER}")
+    commit.remove_checkpoint(d)                              # retention deleted it locally
     (rc0, o0), (rc1, o1) = _env_ranks(root, "v2", conn, container, 2)
     assert rc0 == ConflictError.exit_code and o0["cls"] == "ConflictError" and "in the archive" in str(o0["error"]), o0
     assert rc1 != 0 and "rank 0" in str(o1["error"]) and "in the archive" in str(o1["error"]), o1
-    assert mf.read_marker(d) is None, "nothing committed locally"
+    assert commit.read_marker(d) is None, "nothing committed locally"
     assert not [p.name for p in d.iterdir() if p.name.endswith(".bin")], "rank 1 removed its files"
-    assert store.get_bytes(f"m/{d.name}/{mf.MARKER}") == marker_before
+    assert store.get_bytes(f"m/{d.name}/{MARKER}") == marker_before
     assert {rel: b.size for rel, b in store.listing("m").items()} == archived
 
 
@@ -258,19 +258,19 @@ def test_modes_are_explicit_even_with_umask_000(cfg: NodeConfig, root: Path) -> 
 
 def test_the_new_directories_are_fsynced_before_the_marker(cfg: NodeConfig, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     synced: list[int] = []
-    real_fsync, real_marker = os.fsync, writer.mf.write_marker
+    real_fsync, real_marker = os.fsync, writer.commit.write_marker
     marker_at: list[int] = []
 
     def fsync(fd: int) -> None:
         synced.append(os.fstat(fd).st_ino)
         real_fsync(fd)
 
-    def write_marker(d: Path, m: mf.Manifest, **kw: Any) -> Path:
+    def write_marker(d: Path, m: Manifest, **kw: Any) -> Path:
         marker_at.append(len(synced))
         return real_marker(d, m, **kw)
 
     monkeypatch.setattr(writer.os, "fsync", fsync)
-    monkeypatch.setattr(writer.mf, "write_marker", write_marker)
+    monkeypatch.setattr(writer.commit, "write_marker", write_marker)
     r = tc.save({"a": b"q" * 5000}, epoch=0, step=1, config=cfg)
     before = set(synced[: marker_at[0]])
     assert root.stat().st_ino in before, "the root, after creating the model directory"
@@ -320,7 +320,7 @@ def test_every_failure_releases_the_claim(cfg: NodeConfig, root: Path, monkeypat
         h = tc.async_save({"a": os.urandom(1 << 20)}, epoch=0, step=2, config=cfg, options=IoOptions(staging_bytes=4 << 20))
         assert isinstance(h.exception(timeout=30), UserError)
     with monkeypatch.context() as mp:
-        mp.setattr(writer.mf, "write_marker", lambda d, m, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
+        mp.setattr(writer.commit, "write_marker", lambda d, m, **kw: (_ for _ in ()).throw(RuntimeError("boom")))
         with pytest.raises(UserError, match="RuntimeError\\('boom'\\)"):
             tc.save({"a": b"x" * 100}, epoch=0, step=3, config=cfg)
     for step in (1, 2, 3):
@@ -383,7 +383,7 @@ def test_every_writer_sets_explicit_modes_under_umask_077(root: Path, tmp_path: 
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     want = 5 if importlib.util.find_spec("lightning") else 4 if importlib.util.find_spec("torch") else 2
-    names = sorted(c.name for c in mf.scan(root, "m") if c.committed)
+    names = sorted(c.name for c in commit.scan(root, "m") if c.committed)
     assert names == [f"global_epoch0_step{s}" for s in range(1, want + 1)], names
     seen = 0
     for dirpath, dirnames, filenames in os.walk(root / "m"):

@@ -9,7 +9,7 @@ from typing import Any
 from tiered_ckpt import config as config_mod
 from tiered_ckpt.cli.output import byte_progress, human_bytes, print_json, stdout
 from tiered_ckpt.errors import EXIT_OK, UserError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.naming import require_name
 
 
@@ -43,7 +43,7 @@ def cmd_convert(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     if args.source == "dcp":
         out = dcp_convert.from_dcp(args.path, TieredWriter(root, cfg.model, name=args.name, config=cfg))
     else:
-        mf.require_root(root)
+        commit.require_root(root)
         reader = TieredReader(root, cfg.model, name=args.name, config=cfg, verify_hash=args.hash)
         if args.to == "dcp":
             total = reader.manifest.total_bytes

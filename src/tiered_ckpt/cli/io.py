@@ -14,9 +14,8 @@ from tiered_ckpt.cli.models import require_model
 from tiered_ckpt.cli.output import byte_progress, human_bytes, print_error, print_json, print_table, stdout
 from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe, reader, writer
-from tiered_ckpt.io import pools as staging
+from tiered_ckpt.io import commit, fsafe, pools, reader, writer
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.io.options import IoOptions
 from tiered_ckpt.io.sources import SyntheticSource, to_sources
 from tiered_ckpt.naming import CheckpointId, require_name
@@ -94,14 +93,14 @@ def cmd_bench(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     if size <= 0:
         raise UserError("--size must be more than 0 bytes, e.g. --size 4GiB")
     block = config_mod.parse_size(args.block, "--block") if args.block else cfg.io.block_size
-    if block < staging.ALIGN or block % staging.ALIGN:
+    if block < pools.ALIGN or block % pools.ALIGN:
         raise UserError(f"--block {args.block}: must be a multiple of 4 KiB (O_DIRECT alignment), e.g. 16MiB")
     for flag, val in (("--files", args.files), ("--threads", args.threads)):
         if val is not None and val < 1:
             raise UserError(f"{flag} {val}: must be >= 1")
     if args.name and not args.keep:
         raise UserError("--name only applies with --keep (without it the benchmark checkpoint is deleted)")
-    mf.require_root(root, "--dir")
+    commit.require_root(root, "--dir")
     st = os.statvfs(root)
     free = st.f_bavail * st.f_frsize
     if size > free:     # it would fail with ENOSPC after filling the file system, or never end
@@ -120,7 +119,7 @@ def _bench(args: argparse.Namespace, cfg: config_mod.NodeConfig, base: Path, run
            size: int, block: int) -> int:
     opts = IoOptions(files=args.files, threads=args.threads, block_size=block, direct=args.direct,
                      hash=args.hash).resolve(cfg.io)
-    pool = staging.pool("sync", cfg.io.sync_buffer_bytes, block)
+    pool = pools.pool("sync", cfg.io.sync_buffer_bytes, block)
     sources = to_sources({"bench": SyntheticSource(size)})
     show = not args.json
     with byte_progress(f"write {cid.name}", size, enabled=show) as prog:
@@ -131,7 +130,7 @@ def _bench(args: argparse.Namespace, cfg: config_mod.NodeConfig, base: Path, run
         save.produce()
         result = save.finish()
         write_s = time.perf_counter() - t0
-    info = mf.inspect(run, Path(result.path), cid)   # just this directory, not a scan
+    info = commit.inspect(run, Path(result.path), cid)   # just this directory, not a scan
     assert info.manifest is not None
     m = info.manifest
     cache_dropped = opts.direct or _drop_page_cache()
@@ -186,10 +185,10 @@ def _disk_usage(path: Path) -> tuple[int, int]:
 
 
 def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
-    root = mf.require_root(cfg.root)
+    root = commit.require_root(cfg.root)
     require_model(cfg)
-    infos = mf.scan(root, cfg.model, cfg.naming)
-    done = mf.committed(infos)
+    infos = commit.scan(root, cfg.model, cfg.naming)
+    done = commit.committed(infos)
     latest = done[-1] if done else None       # scan is oldest first; not a second scan
     rows: list[dict[str, Any]] = []
     for c in infos:
@@ -214,15 +213,15 @@ def cmd_list(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
         if r["problem"]:
             stdout.print(f"{r['name']}: {r['problem']}", highlight=False, markup=False)
     if any(not r["committed"] and not r["problem"] for r in rows):
-        stdout.print(f"committed NO: a save in progress or one that never finished (no {mf.MARKER})", highlight=False)
+        stdout.print(f"committed NO: a save in progress or one that never finished (no {MARKER})", highlight=False)
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace, cfg: config_mod.NodeConfig) -> int:
     require_name(args.name, cfg.naming)
-    root = mf.require_root(cfg.root)
+    root = commit.require_root(cfg.root)
     path = root / cfg.model / args.name
-    m = mf.read_marker(path, anchor=root)
+    m = commit.read_marker(path, anchor=root)
     total = m.total_bytes if m is not None else 0
     with byte_progress(f"verify {args.name}", total, enabled=not args.json and args.hash) as prog:
         rep = reader.verify(path, check_hash=args.hash, threads=cfg.io.threads, block_size=cfg.io.block_size,

@@ -16,7 +16,7 @@ from tiered_ckpt.cli.models import require_model
 from tiered_ckpt.cli.output import human_bytes, print_json, print_table, progress_bars, stderr, stdout
 from tiered_ckpt.config import NodeConfig, format_duration, parse_duration
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, ConfigError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io import commit
 from tiered_ckpt.lifecycle import archive_retention as ar
 from tiered_ckpt.lifecycle import retention as ret
 from tiered_ckpt.lifecycle.exporter import Exporter, Iteration
@@ -247,7 +247,7 @@ def cmd_export(args: argparse.Namespace, cfg: NodeConfig) -> int:
     ex = Exporter(cfg, status_path=args.export_status, models=None if args.all_models else [cfg.model])
     # A mistyped root would otherwise export nothing, report success and write a status file
     # beside a directory that does not exist; a mistyped --model likewise.
-    mf.require_root(cfg.root)
+    commit.require_root(cfg.root)
     if not args.all_models:
         require_model(cfg)
     ex.store.ensure_container()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tiered_ckpt.errors import EXIT_CONFLICT, ConflictError, UserError
 from tiered_ckpt.io import commit, lock
+from tiered_ckpt.io.marker import MARKER, Manifest
 from tiered_ckpt.io.posix import fsync_parents, open_subdir, os_error
 from tiered_ckpt.io.save_commit import valid_marker
 from tiered_ckpt.naming import CheckpointId
@@ -139,7 +140,7 @@ class Claim:
                 stale.append(e.name)
         if stale and not overwrite_incomplete:
             raise ConflictError(
-                f"{self.dir} holds an earlier save of {self.cid.name} that never committed (no valid {commit.MARKER}); "
+                f"{self.dir} holds an earlier save of {self.cid.name} that never committed (no valid {MARKER}); "
                 "pass overwrite_incomplete=True to replace it, or remove the directory"
             )
         for name in stale:
@@ -151,7 +152,7 @@ class Claim:
             os.fsync(self.dfd)
 
     # -- ending ----------------------------------------------------------------------------------
-    def commit(self, manifest: commit.Manifest) -> Path:
+    def commit(self, manifest: Manifest) -> Path:
         """The marker, last: the directory entries this save created are made durable first (a power
         loss must not keep the marker and lose the directory holding it). From the first attempt on,
         nothing of this save is deleted any more (`committed`)."""
@@ -161,7 +162,7 @@ class Claim:
         try:
             return commit.write_marker(self.dir, manifest, dir_fd=self.dfd)
         except OSError as e:
-            raise os_error(e, self.dir / commit.MARKER) from None
+            raise os_error(e, self.dir / MARKER) from None
 
     def abandon(self) -> None:
         """A failed save: remove the directory if this save created it and it is empty, release."""

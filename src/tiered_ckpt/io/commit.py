@@ -27,35 +27,19 @@ from pathlib import Path
 from tiered_ckpt.errors import ConflictError, UserError
 from tiered_ckpt.io import fsafe
 
-# The marker's format lives in io/marker.py; the protocol's users get its names from here.
+# The marker's format is io/marker.py's (its users import it from there); this module is what a save
+# and a scan do with it.
 from tiered_ckpt.io.marker import (
-    FORMAT,
-    FORMAT_V1,
     MARKER,
-    MAX_INDEX_BYTES,
     MAX_MARKER_BYTES,
-    FileEntry,
-    InvalidIndex,
     InvalidMarker,
     Manifest,
-    RankIndex,
-    check_structure,
-    encode_part,
-    parse_index,
     parse_marker,
-    part_body,
-    part_header,
-    path_problem,
-    validate,
 )
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import CheckpointId, parse_in
 
-__all__ = ["FORMAT", "FORMAT_V1", "MARKER", "MAX_INDEX_BYTES", "MAX_MARKER_BYTES", "CheckpointInfo", "FileEntry",
-           "InvalidIndex", "InvalidMarker", "Manifest", "RankIndex", "check_structure", "committed", "encode_part",
-           "find", "fsync_dir", "inspect", "latest_committed", "marker_bytes", "model_dir", "parse_index", "parse_marker",
-           "part_body", "part_header", "path_problem", "read_marker", "read_marker_checked", "remove_checkpoint",
-           "require_root", "scan", "size_problems", "validate", "write_marker"]
+__all__ = ["CheckpointInfo", "committed", "find", "fsync_dir", "inspect", "latest_committed", "marker_bytes", "model_dir", "read_marker", "read_marker_checked", "remove_checkpoint", "require_root", "scan", "size_problems", "write_marker"]
 
 
 # -- the marker on disk -------------------------------------------------------------------------

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered_ckpt.io import cache, fsafe
-from tiered_ckpt.io.commit import FileEntry
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import FileEntry
 from tiered_ckpt.io.pools import ALIGN, BlockPool
 
 # Pieces below this many bytes are coalesced with their neighbours into one read and copied out;

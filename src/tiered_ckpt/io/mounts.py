@@ -80,6 +80,17 @@ def mount_of(path: str | os.PathLike[str], mounts: list[Mount] | None = None) ->
     return best
 
 
+def not_lustre(path: str | os.PathLike[str], mounts: list[Mount] | None = None) -> Mount | None:
+    """The mount that a missing `path` would be created on when that is not Lustre (None: it is
+    Lustre, or the mounts cannot be read): on a node whose AMLFS is not mounted, the mount point is
+    an empty directory of the OS disk, and checkpoints created there would never be archived."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    m = mount_of(p, mounts)
+    return m if m is not None and m.fstype != LUSTRE else None
+
+
 def flock_problem(path: str | os.PathLike[str], mounts: list[Mount] | None = None) -> str | None:
     """Why flocks under `path` would not exclude other nodes (None: they do, or it is not Lustre)."""
     m = mount_of(path, mounts)

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tiered_ckpt.errors import IntegrityError
-from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.layout import FilePlan
+from tiered_ckpt.io.marker import FileEntry
 from tiered_ckpt.io.options import WriteOptions
 from tiered_ckpt.io.pools import ALIGN, Aborted, BlockPool
 from tiered_ckpt.io.posix import open_data, os_error, pwrite_all
@@ -57,7 +57,7 @@ class Pipeline:
         self._rr = 0
         # Copy threads: memmove releases the GIL, so several cores share the snapshot copy.
         self.ncopy = max(1, min(opts.copy_threads or (os.cpu_count() or 1), self.pool.nblocks // 2 or 1, 8))
-        self.entries: list[mf.FileEntry | None] = [None] * len(files)
+        self.entries: list[FileEntry | None] = [None] * len(files)
         self.direct_used = opts.direct
         self.nthreads = max(1, min(opts.threads, len(files)))
         self._threads = [threading.Thread(target=self._run, name=f"ckpt-writer-{i}", daemon=True) for i in range(self.nthreads)]
@@ -218,7 +218,7 @@ class Pipeline:
                     raise Aborted() from None
         return held.pop(off)
 
-    def _write_file(self, fi: int, hasher: ThreadPoolExecutor) -> mf.FileEntry:
+    def _write_file(self, fi: int, hasher: ThreadPoolExecutor) -> FileEntry:
         fp = self.files[fi]
         path = self.dir / fp.path
         fd, direct = open_data(self.dfd, fp.path, path, self.opts.direct)
@@ -266,9 +266,9 @@ class Pipeline:
             for idx, _, _ in held.values():
                 if idx != _STAGED:
                     self.pool.release(idx)
-        return mf.FileEntry(fp.path, fp.size, h.hexdigest() if h is not None else None, self.rank)
+        return FileEntry(fp.path, fp.size, h.hexdigest() if h is not None else None, self.rank)
 
-    def finish(self) -> list[mf.FileEntry]:
+    def finish(self) -> list[FileEntry]:
         for t in self._threads:
             if t.is_alive() or t.ident is not None:
                 t.join()

@@ -27,9 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tiered_ckpt.errors import ConfigError, IntegrityError, UserError
-from tiered_ckpt.io import sources as srcs
 from tiered_ckpt.io.posix import ALIGN
-from tiered_ckpt.io.sources import Source
+from tiered_ckpt.io.sources import Source, copy_from_device, drop_stable, hold_stable, pin_host
 
 
 class Aborted(Exception):
@@ -217,7 +216,7 @@ class StagingArea:
     def pin(self) -> None:
         """Page-lock the area for device-to-host copies (CUDA: cudaHostRegister), once per mapping."""
         if self._unpin is None and self.nbytes:
-            self._unpin = srcs.pin_host(self._base, self.nbytes)
+            self._unpin = pin_host(self._base, self.nbytes)
 
     def _drop(self) -> int:
         mem, view, unpin = self._mem, self._view, self._unpin
@@ -274,13 +273,13 @@ class Lease:
         self.area, self.view, self.address = area, view, address
         self._closed = False
         # Unchanged until the save ends (one lease at a time): the writers write from it.
-        self._stable = srcs.hold_stable(address, len(view))
+        self._stable = hold_stable(address, len(view))
 
     def close(self) -> None:
         """The save is over (written, or failed): the next save may use the area."""
         if not self._closed:
             self._closed = True
-            srcs.drop_stable(self._stable)
+            drop_stable(self._stable)
             self.area._done()
 
 
@@ -393,7 +392,7 @@ def _copy_all(sources: list[Source], lease: Lease, start: int, copy_threads: int
     ctypes.memset(lease.address + pos, 0, _aligned(pos) - pos)
     if device:
         lease.area.pin()
-        srcs.copy_from_device([(s.device_bytes, v) for s, v in device])
+        copy_from_device([(s.device_bytes, v) for s, v in device])
     _run_copies(tasks, lease, copy_threads)
     for s in sources:
         why = s.changed()

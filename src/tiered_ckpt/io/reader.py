@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from tiered_ckpt.errors import IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fill, fsafe, nested
+from tiered_ckpt.io import commit, fill, fsafe, nested
 from tiered_ckpt.io.fill import Pieces
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import MARKER, FileEntry, InvalidIndex, Manifest, RankIndex, check_structure, parse_index
 from tiered_ckpt.io.pools import ALIGN, pool
 from tiered_ckpt.io.sources import allocate, writable_view
 
@@ -55,7 +55,7 @@ def open_read(path: Path, direct: bool, anchor: Path | None = None) -> tuple[int
     return fsafe.open_file(path, os.O_RDONLY, anchor=anchor), False
 
 
-def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8, block_size: int = 16 << 20,
+def read_files(ckpt_dir: Path, entries: list[FileEntry], *, threads: int = 8, block_size: int = 16 << 20,
                direct: bool = True, check_hash: bool = False, pieces: Mapping[str, Pieces] | None = None,
                progress: Callable[[int], None] | None = None) -> list[str]:
     """Read every file (optionally into destination pieces); the list of problems found.
@@ -68,7 +68,7 @@ def read_files(ckpt_dir: Path, entries: list[mf.FileEntry], *, threads: int = 8,
     bufs = pool("read", max(1, threads) * block_size, block_size)
     wanted = pieces or {}
 
-    def stream(e: mf.FileEntry, view: memoryview) -> str | None:
+    def stream(e: FileEntry, view: memoryview) -> str | None:
         return _read_one(ckpt_dir, e, view, direct, check_hash, wanted.get(e.path, []), progress)
 
     return fill.fill(ckpt_dir, entries, wanted, pool=bufs, threads=max(1, threads), direct=direct,
@@ -90,7 +90,7 @@ def _spans(size: int, pieces: Pieces, whole: bool, block: int) -> list[tuple[int
     return out
 
 
-def _read_one(ckpt_dir: Path, e: mf.FileEntry, view: memoryview, direct: bool, check_hash: bool, pieces: Pieces,
+def _read_one(ckpt_dir: Path, e: FileEntry, view: memoryview, direct: bool, check_hash: bool, pieces: Pieces,
               progress: Callable[[int], None] | None) -> str | None:
     path = ckpt_dir / e.path
     fd, _ = open_read(path, direct, anchor=ckpt_dir)
@@ -138,17 +138,17 @@ def verify(ckpt_dir: Path, *, check_hash: bool = False, threads: int = 8, block_
     if not fsafe.is_real_dir(ckpt_dir):
         rep.problems.append(f"{ckpt_dir} is a symbolic link or not a directory: not a checkpoint (never followed)")
         return rep
-    marker = ckpt_dir / mf.MARKER
-    m, why = mf.read_marker_checked(ckpt_dir, anchor=anchor)
+    marker = ckpt_dir / MARKER
+    m, why = commit.read_marker_checked(ckpt_dir, anchor=anchor)
     if m is None:
         rep.problems.append(
             f"{marker}: not committed (invalid marker: {why})" if why is not None
-            else f"no {mf.MARKER}: not committed (a save that has not finished or crashed)"
+            else f"no {MARKER}: not committed (a save that has not finished or crashed)"
         )
         return rep
     rep.committed = True
     rep.bytes, rep.files = m.total_bytes, len(m.files)
-    rep.problems += mf.size_problems(ckpt_dir, m, anchor=anchor)
+    rep.problems += commit.size_problems(ckpt_dir, m, anchor=anchor)
     if not rep.problems and m.index_files is not None:
         # Format 2: the ranks' indexes are outside the marker; each is checked where it is read
         # (a load), and here for every rank, so verify says whether every rank can load.
@@ -166,12 +166,12 @@ def verify(ckpt_dir: Path, *, check_hash: bool = False, threads: int = 8, block_
     return rep
 
 
-def _no_rank(m: mf.Manifest, rank: int) -> UserError:
+def _no_rank(m: Manifest, rank: int) -> UserError:
     return UserError(f"checkpoint {m.name} has no data of rank {rank} (saved by {m.world_size} rank(s)); "
                      f"pass rank= 0..{m.world_size - 1}")
 
 
-def read_index(ckpt_dir: Path, m: mf.Manifest, rank: int) -> mf.RankIndex:
+def read_index(ckpt_dir: Path, m: Manifest, rank: int) -> RankIndex:
     """Rank `rank`'s index: from its index file (format 2: read below `ckpt_dir`, no symlink
     followed, checked against the marker's size and hash, then validated), or from the marker
     itself (format 1). IntegrityError "not committed (invalid index ...: why)" when the file
@@ -182,7 +182,7 @@ def read_index(ckpt_dir: Path, m: mf.Manifest, rank: int) -> mf.RankIndex:
         ranks = m.index.get("ranks", {})
         if str(rank) not in ranks:
             raise _no_rank(m, rank)
-        return mf.RankIndex(ranks[str(rank)], m.index.get("structure", {}).get(str(rank)))
+        return RankIndex(ranks[str(rank)], m.index.get("structure", {}).get(str(rank)))
     rel = m.index_files[rank]
     entry = m.by_path[rel]                 # the marker's schema: a listed, hashed file of that rank
     path = ckpt_dir / rel
@@ -215,12 +215,12 @@ def read_index(ckpt_dir: Path, m: mf.Manifest, rank: int) -> mf.RankIndex:
     if h.hexdigest() != entry.hash:
         raise bad("content hash differs from the marker (corrupted or changed after commit)")
     try:
-        return mf.parse_index(data, m, rank)
-    except mf.InvalidIndex as e:
+        return parse_index(data, m, rank)
+    except InvalidIndex as e:
         raise bad(str(e)) from None
 
 
-def _indexes(ckpt_dir: Path, m: mf.Manifest, rank: int) -> tuple[mf.RankIndex, dict[str, dict[str, Any]]]:
+def _indexes(ckpt_dir: Path, m: Manifest, rank: int) -> tuple[RankIndex, dict[str, dict[str, Any]]]:
     """Rank `rank`'s index, and the buffers of every rank it needs (itself and the owners its
     rbuf nodes name: entries saved replicated), the structure checked against them."""
     own = read_index(ckpt_dir, m, rank)
@@ -231,18 +231,18 @@ def _indexes(ckpt_dir: Path, m: mf.Manifest, rank: int) -> tuple[mf.RankIndex, d
         ranks.update(m.index.get("ranks", {}))
         return own, ranks
     try:
-        mf.check_structure(own, rank, None)       # its shape first: then it can be walked
+        check_structure(own, rank, None)       # its shape first: then it can be walked
         for owner in sorted({o for o, _ in nested.remote_refs(own.structure)}):
             if str(owner) not in ranks and 0 <= owner < m.world_size:
                 ranks[str(owner)] = read_index(ckpt_dir, m, owner).buffers
-        mf.check_structure(own, rank, ranks)
-    except mf.InvalidIndex as e:
+        check_structure(own, rank, ranks)
+    except InvalidIndex as e:
         raise IntegrityError(f"{ckpt_dir} is not committed (invalid index {m.index_files[rank]}: {e}); "
                              "load another checkpoint (tiered-ckpt list shows them)") from None
     return own, ranks
 
 
-def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | None = None, check_hash: bool = False,
+def load(ckpt: commit.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | None = None, check_hash: bool = False,
          threads: int = 8, block_size: int = 16 << 20, direct: bool = True,
          progress: Callable[[int], None] | None = None) -> dict[Any, Any]:
     """The rank's saved state: a flat dict of buffers, or the nested state as it was saved
@@ -251,7 +251,7 @@ def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | No
     Entries saved as replicated (another rank wrote them: rbuf nodes) are read from that rank's files."""
     m = ckpt.manifest
     if m is None:
-        why = ckpt.why_not_committed or f"not committed (no valid {mf.MARKER})"
+        why = ckpt.why_not_committed or f"not committed (no valid {MARKER})"
         raise IntegrityError(f"{ckpt.path} is {why}; load a committed checkpoint (tiered-ckpt list)")
     own, ranks = _indexes(ckpt.path, m, rank)
     idx, tree = own.buffers, own.structure
@@ -271,7 +271,7 @@ def load(ckpt: mf.CheckpointInfo, *, rank: int = 0, into: Mapping[Any, Any] | No
     return out
 
 
-def _load_entries(ckpt: mf.CheckpointInfo, m: mf.Manifest, entries: Mapping[nested.BufferKey, Any], rank: int,
+def _load_entries(ckpt: commit.CheckpointInfo, m: Manifest, entries: Mapping[nested.BufferKey, Any], rank: int,
                   into: Mapping[nested.BufferKey, Any], check_hash: bool, threads: int, block_size: int, direct: bool,
                   progress: Callable[[int], None] | None) -> dict[nested.BufferKey, Any]:
     out: dict[nested.BufferKey, Any] = {}
@@ -287,7 +287,7 @@ def _load_entries(ckpt: mf.CheckpointInfo, m: mf.Manifest, entries: Mapping[nest
             out[key], view = _allocate(m.name, name, entry, _residue(entry, block_size))
         for path, file_off, n, src_off in entry["segments"]:
             pieces.setdefault(path, []).append((file_off, n, view[src_off:src_off + n]))
-    problems = mf.size_problems(ckpt.path, m, anchor=ckpt.path)
+    problems = commit.size_problems(ckpt.path, m, anchor=ckpt.path)
     if problems:
         raise IntegrityError(f"checkpoint {m.name} is damaged: " + "; ".join(problems))
     files = [f for f in m.files if f.path in pieces or (check_hash and f.rank == rank)]

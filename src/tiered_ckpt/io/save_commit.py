@@ -31,22 +31,22 @@ from typing import Any
 
 from tiered_ckpt.distributed import ERROR_CLASSES, as_user_error
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
 from tiered_ckpt.io import fsafe, nested
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.layout import CLAIM, FAILED, PART, FilePlan, file_owner
+from tiered_ckpt.io.marker import MARKER, MAX_MARKER_BYTES, FileEntry, InvalidIndex, Manifest, encode_part, part_body, part_header
 from tiered_ckpt.io.posix import json_at, open_subdir, read_small, write_small
 from tiered_ckpt.io.sources import Source
 from tiered_ckpt.naming import CheckpointId
 
 
-def valid_marker(dfd: int, cid: CheckpointId) -> mf.Manifest | None:
+def valid_marker(dfd: int, cid: CheckpointId) -> Manifest | None:
     """The marker of the directory `dfd` if it is valid and of checkpoint `cid`, else None."""
-    data = read_small(dfd, mf.MARKER, mf.MAX_MARKER_BYTES)
+    data = read_small(dfd, MARKER, MAX_MARKER_BYTES)
     if data is None:
         return None
     try:
-        m = mf.Manifest.from_json(data)
+        m = Manifest.from_json(data)
     except ValueError:
         return None
     return dataclasses.replace(m, naming=cid.naming) if m.id == cid else None
@@ -54,7 +54,7 @@ def valid_marker(dfd: int, cid: CheckpointId) -> mf.Manifest | None:
 
 # -- this rank ---------------------------------------------------------------------------
 def part_bytes(cid: CheckpointId, save_id: str, nonce: str, rank: int, world_size: int, files: list[FilePlan],
-               sources: list[Source], entries: list[mf.FileEntry], structure: dict[str, Any] | None = None,
+               sources: list[Source], entries: list[FileEntry], structure: dict[str, Any] | None = None,
                replicated: dict[str, Any] | None = None) -> bytes:
     """This rank's part manifest: its files and where every buffer lives in them, bound to the
     attempt's `nonce` (rank 0's claim).
@@ -78,7 +78,7 @@ def part_bytes(cid: CheckpointId, save_id: str, nonce: str, rank: int, world_siz
     body: dict[str, Any] = {"index": index}
     if structure is not None:      # nested state (io.nested)
         body["structure"] = structure
-    return mf.encode_part(header, body)
+    return encode_part(header, body)
 
 
 def write_part(dfd: int, rank: int, save_id: str, data: bytes, *, replace: bool = False) -> None:
@@ -95,11 +95,11 @@ def write_part(dfd: int, rank: int, save_id: str, data: bytes, *, replace: bool 
 
 def listed(dfd: int) -> set[str]:
     """Files a valid marker in the directory lists (any save's): clean-up never removes one."""
-    data = read_small(dfd, mf.MARKER, mf.MAX_MARKER_BYTES)
+    data = read_small(dfd, MARKER, MAX_MARKER_BYTES)
     if data is None:
         return set()
     try:
-        return {f.path for f in mf.Manifest.from_json(data).files}
+        return {f.path for f in Manifest.from_json(data).files}
     except ValueError:
         return set()
 
@@ -149,7 +149,7 @@ def note_failure(root: Path, model: str, cid: CheckpointId, rank: int, world_siz
             finally:
                 os.close(mfd)
         try:
-            m = mf.Manifest.from_json(read_small(dfd, mf.MARKER, mf.MAX_MARKER_BYTES) or b"")
+            m = Manifest.from_json(read_small(dfd, MARKER, MAX_MARKER_BYTES) or b"")
             if m.id == cid:
                 return
         except ValueError:
@@ -183,8 +183,8 @@ def _header(data: bytes | None) -> dict[str, Any]:
     if data is None or not data.endswith(b"\n") or data.find(b"\n") == len(data) - 1:
         return {}
     try:
-        return mf.part_header(data)
-    except mf.InvalidIndex:
+        return part_header(data)
+    except InvalidIndex:
         return {}
 
 
@@ -276,7 +276,7 @@ def wait_for_marker(dfd: int, cid: CheckpointId, save_id: str, rank: int, part: 
         if m is not None:
             h = new_hasher()
             h.update(part)
-            mine = mf.FileEntry(name, len(part), h.hexdigest(), rank)
+            mine = FileEntry(name, len(part), h.hexdigest(), rank)
             if m.save_id == save_id and any(f == mine for f in m.files):
                 return
             raise ConflictError(f"another save (save id {m.save_id!r}) committed {cid.name} while this one was "
@@ -318,7 +318,7 @@ def check_replicated(parts: list[dict[str, Any]], cid: CheckpointId) -> None:
 
 
 def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: str, nonce: str,
-              world_size: int) -> mf.Manifest:
+              world_size: int) -> Manifest:
     """The marker naming every rank's files of this save, once all is checked (rank 0).
 
     Reads every rank's part (only this save's own), removes anything it does not list, checks
@@ -327,7 +327,7 @@ def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: 
     """
     parts: list[dict[str, Any]] = []
     datas: list[bytes] = []
-    files: list[mf.FileEntry] = []
+    files: list[FileEntry] = []
     for r in range(world_size):
         name = PART.format(rank=r, sid=save_id)
         data = read_small(dfd, name)
@@ -341,28 +341,28 @@ def marker_of(dfd: int, root: Path, ckpt_dir: Path, cid: CheckpointId, save_id: 
         assert data is not None
         parts.append(part)
         datas.append(data)
-        files += [mf.FileEntry(**f) for f in part["files"]]
+        files += [FileEntry(**f) for f in part["files"]]
         h = new_hasher()
         h.update(data)
         # The bytes just parsed, hashed: a reader checks its index file against this before use.
-        files.append(mf.FileEntry(name, len(data), h.hexdigest(), r))
+        files.append(FileEntry(name, len(data), h.hexdigest(), r))
     if any("replicated" in p for p in parts):
         # Only a save with replicated= needs the ranks' indexes here (which rank wrote what).
         for p, data in zip(parts, datas, strict=True):
             try:
-                p.update(mf.part_body(data))
-            except mf.InvalidIndex as e:
+                p.update(part_body(data))
+            except InvalidIndex as e:
                 raise IntegrityError(f"part manifest of rank {p['rank']} of {cid.name} is damaged ({e}); "
                                      "nothing was committed") from None
     check_replicated(parts, cid)
-    m = mf.Manifest(epoch=cid.epoch, step=cid.step, files=files, world_size=world_size, save_id=save_id,
+    m = Manifest(epoch=cid.epoch, step=cid.step, files=files, world_size=world_size, save_id=save_id,
                     naming=cid.naming, index_files=[PART.format(rank=r, sid=save_id) for r in range(world_size)])
     listed = {f.path for f in files}
     removed = False
     with os.scandir(dfd) as it:
         names = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     for name, is_dir in names:
-        if name not in listed and name != mf.MARKER and not is_dir:
+        if name not in listed and name != MARKER and not is_dir:
             try:
                 os.unlink(name, dir_fd=dfd)   # left by an earlier attempt or a losing saver; never followed
                 removed = True

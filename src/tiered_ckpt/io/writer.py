@@ -27,11 +27,11 @@ from typing import Any
 
 from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import ConflictError, IntegrityError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe, nested, save_commit
+from tiered_ckpt.io import commit, fsafe, nested, save_commit
 from tiered_ckpt.io.claim import Claim
 from tiered_ckpt.io.hashing import new_hasher
 from tiered_ckpt.io.layout import FilePlan, file_owner, new_save_id, plan, require_save_id
+from tiered_ckpt.io.marker import MARKER, FileEntry
 from tiered_ckpt.io.options import WriteOptions
 from tiered_ckpt.io.pipeline import Pipeline, Progress
 from tiered_ckpt.io.pools import BlockPool
@@ -81,7 +81,7 @@ class Save:
         self.pipeline: Pipeline | None = None
         self.files: list[FilePlan] = []
         self.dfd: int | None = None
-        self.entries: list[mf.FileEntry] = []
+        self.entries: list[FileEntry] = []
         self._claim: Claim | None = None
         self.nonce: str | None = None     # the attempt's (rank 0's claim); every part carries it
         self._part: bytes | None = None   # file mode, rank > 0: this rank's published part manifest
@@ -126,7 +126,7 @@ class Save:
         try:
             if self.comm.rank == 0:
                 return self._prepare_rank0()
-            mf.require_root(self.root)
+            commit.require_root(self.root)
             if self.file_mode:
                 self._prepare_other_rank()
             return None
@@ -242,7 +242,7 @@ class Save:
             try:
                 self._commit()
             except OSError as e:
-                raise os_error(e, self.dir / mf.MARKER) from None
+                raise os_error(e, self.dir / MARKER) from None
             self._release()
         elif self.file_mode:
             assert self.dfd is not None and self._part is not None and self.nonce is not None

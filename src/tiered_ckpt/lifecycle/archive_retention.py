@@ -38,7 +38,7 @@ from typing import Any
 
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConfigError
-from tiered_ckpt.io import commit as mf
+from tiered_ckpt.io.marker import MARKER, Manifest
 from tiered_ckpt.lifecycle import restore_lease
 from tiered_ckpt.lifecycle.policy import DELETE, KEEP, RESUME, Candidate, Decision, Policy, decide
 from tiered_ckpt.lifecycle.retention import ApplyResult, RetentionDecisions
@@ -70,7 +70,7 @@ def _journaled(store: BlobStore, model: str) -> set[str]:
             if rel.count("/") == 1 and rel.endswith(".json")}
 
 
-def _created(m: mf.Manifest) -> datetime | None:
+def _created(m: Manifest) -> datetime | None:
     try:
         t = datetime.fromisoformat(m.created_utc)
     except (TypeError, ValueError):
@@ -204,13 +204,13 @@ def _apply(cfg: NodeConfig, store: BlobStore, policy: Policy, present: Callable[
 
 def _data(facts: ArchiveFacts, model: str, name: str) -> list[str]:
     base = f"{model}/{name}/"
-    return sorted(r for r in facts.listing if r.startswith(base) and r != base + mf.MARKER)
+    return sorted(r for r in facts.listing if r.startswith(base) and r != base + MARKER)
 
 
 def _delete(cfg: NodeConfig, store: BlobStore, facts: ArchiveFacts, d: Decision,
             step: Callable[[str, str], None], res: ApplyResult) -> Decision:
     model, name = cfg.model, d.name
-    marker_rel = f"{model}/{name}/{mf.MARKER}"
+    marker_rel = f"{model}/{name}/{MARKER}"
     got = store.get_with_etag(marker_rel)
     if got is None:
         return Decision(name, KEEP, ("its marker disappeared since the evaluation: decided again next run",), d.bytes)
@@ -235,7 +235,7 @@ def _delete(cfg: NodeConfig, store: BlobStore, facts: ArchiveFacts, d: Decision,
 def _finish(cfg: NodeConfig, store: BlobStore, facts: ArchiveFacts, d: Decision,
             step: Callable[[str, str], None], res: ApplyResult) -> Decision:
     model, name = cfg.model, d.name
-    if store.get_with_etag(f"{model}/{name}/{mf.MARKER}") is not None:
+    if store.get_with_etag(f"{model}/{name}/{MARKER}") is not None:
         # A marker is back (the checkpoint was exported again): it is committed, keep it.
         _journal(store).delete(f"{model}/{name}.json")
         return Decision(name, KEEP, ("committed again since an earlier apply started deleting it: kept",), d.bytes)

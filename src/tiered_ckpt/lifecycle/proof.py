@@ -18,8 +18,9 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tiered_ckpt.io.commit import MARKER, CheckpointInfo
+from tiered_ckpt.io.commit import CheckpointInfo
 from tiered_ckpt.io.hashing import hash_path
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.logs import fields
 from tiered_ckpt.tiers.backends import TierBackend
 from tiered_ckpt.tiers.blob import BlobInfo

@@ -45,9 +45,9 @@ from typing import Any
 from tiered_ckpt import records
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import EXIT_CONFLICT, EXIT_FAILED, ConflictError, IntegrityError, UnavailableError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import commit, fsafe
 from tiered_ckpt.io.lock import checkpoint_lock
+from tiered_ckpt.io.marker import MARKER, FileEntry, Manifest, parse_marker
 from tiered_ckpt.io.posix import os_error
 from tiered_ckpt.lifecycle import restore_lease, tombstone
 from tiered_ckpt.lifecycle.journal import forget, note_restored
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Found:
-    manifest: mf.Manifest
+    manifest: Manifest
     where: str                # "accelerator" (committed on Lustre/local dir) or "archive"
     marker: bytes = b""       # the marker's bytes on that tier
 
@@ -123,11 +123,6 @@ class _Bytes:
 
 # -- which checkpoint: committed on either tier ------------------------------------------------
 
-def parse_marker(data: bytes) -> mf.Manifest:
-    """The manifest in a marker's bytes; ValueError if it is not a valid one."""
-    return mf.Manifest.from_json(data)
-
-
 def _archive_found(store: BlobStore, model: str, blobs: Mapping[str, BlobInfo],
                    naming: str = DEFAULT_NAMING) -> dict[str, Found]:
     out: dict[str, Found] = {}
@@ -142,7 +137,7 @@ def _archive_found(store: BlobStore, model: str, blobs: Mapping[str, BlobInfo],
 
 
 def archive_committed(store: BlobStore, model: str, listing: Mapping[str, BlobInfo] | None = None,
-                      naming: str = DEFAULT_NAMING) -> list[mf.Manifest]:
+                      naming: str = DEFAULT_NAMING) -> list[Manifest]:
     """Checkpoints committed in Blob: marker parses, names itself, every file present with its size.
 
     `listing`: the model's blobs when the caller has listed them already (status).
@@ -154,17 +149,17 @@ def archive_committed(store: BlobStore, model: str, listing: Mapping[str, BlobIn
 def _local_found(cfg: NodeConfig, name: str) -> Found | None:
     """Checkpoint `name` if committed on the accelerator layer (marker valid, sizes right)."""
     root = Path(cfg.root)
-    d = mf.model_dir(root, cfg.model) / name
+    d = commit.model_dir(root, cfg.model) / name
     if not fsafe.is_real_dir(d):
         return None
     try:
-        data = mf.marker_bytes(d, anchor=root)
+        data = commit.marker_bytes(d, anchor=root)
         if data is None:
             return None
-        m = mf.parse_marker(data, name)    # epoch/step must be those of the directory's name
+        m = parse_marker(data, name)    # epoch/step must be those of the directory's name
     except (OSError, ValueError):
         return None
-    if m.naming != cfg.naming or m.name != name or not m.files or mf.size_problems(d, m, anchor=root):
+    if m.naming != cfg.naming or m.name != name or not m.files or commit.size_problems(d, m, anchor=root):
         return None
     return Found(m, "accelerator", data)
 
@@ -183,7 +178,7 @@ def committed_anywhere(cfg: NodeConfig, backend: TierBackend, warnings: list[str
             found.update(_archive_found(backend.store, cfg.model, backend.store.listing(cfg.model), cfg.naming))
         except UnavailableError as e:
             unreachable = e
-    for c in mf.committed(mf.scan(cfg.root, cfg.model, cfg.naming)):
+    for c in commit.committed(commit.scan(cfg.root, cfg.model, cfg.naming)):
         local = _local_found(cfg, c.name)
         if local is not None:
             found[c.name] = local
@@ -240,7 +235,7 @@ def resume_point(cfg: NodeConfig, backend: TierBackend, name: str | None = None,
     because "nothing to resume" cannot be told from "the archive did not answer".
     """
     if cfg.backend == "amlfs" or not backend.archive_configured:
-        mf.require_root(cfg.root, "root")   # AMLFS not mounted is not "nothing to resume"
+        commit.require_root(cfg.root, "root")   # AMLFS not mounted is not "nothing to resume"
     if name is not None:
         require_name(name, cfg.naming)
         if _local_found(cfg, name) is not None or not backend.archive_configured:
@@ -256,13 +251,13 @@ def resume_point(cfg: NodeConfig, backend: TierBackend, name: str | None = None,
     return newest.name if newest is not None else None
 
 
-def newest_committed(cfg: NodeConfig, backend: TierBackend) -> mf.Manifest | None:
+def newest_committed(cfg: NodeConfig, backend: TierBackend) -> Manifest | None:
     """The newest checkpoint committed on either tier (archive listed where configured); restores nothing."""
     return _newest(cfg, backend)[0]
 
 
-def _newest(cfg: NodeConfig, backend: TierBackend) -> tuple[mf.Manifest | None, str]:
-    local = mf.latest_committed(cfg.root, cfg.model, cfg.naming) if Path(cfg.root).is_dir() else None
+def _newest(cfg: NodeConfig, backend: TierBackend) -> tuple[Manifest | None, str]:
+    local = commit.latest_committed(cfg.root, cfg.model, cfg.naming) if Path(cfg.root).is_dir() else None
     newest = local.manifest if local is not None else None
     if backend.archive_configured:
         try:
@@ -281,8 +276,8 @@ def _newest(cfg: NodeConfig, backend: TierBackend) -> tuple[mf.Manifest | None, 
 
 # -- checks -------------------------------------------------------------------------------------
 
-def _hash_problems(root: Path, ckpt_dir: Path, files: list[mf.FileEntry], workers: int) -> list[tuple[mf.FileEntry, str]]:
-    def check(f: mf.FileEntry) -> tuple[mf.FileEntry, str] | None:
+def _hash_problems(root: Path, ckpt_dir: Path, files: list[FileEntry], workers: int) -> list[tuple[FileEntry, str]]:
+    def check(f: FileEntry) -> tuple[FileEntry, str] | None:
         if f.hash is None:
             return None
         got = hash_at(root, ckpt_dir / f.path)
@@ -292,7 +287,7 @@ def _hash_problems(root: Path, ckpt_dir: Path, files: list[mf.FileEntry], worker
         return [p for p in ex.map(check, files) if p]
 
 
-def verify_hashes(ckpt_dir: Path, m: mf.Manifest, workers: int = 4, root: Path | None = None) -> None:
+def verify_hashes(ckpt_dir: Path, m: Manifest, workers: int = 4, root: Path | None = None) -> None:
     """Check every file of a resident checkpoint against its marker's hashes (IntegrityError)."""
     bad = _hash_problems(root or ckpt_dir.parent.parent, ckpt_dir, m.files, workers)
     if bad:
@@ -307,7 +302,7 @@ def verify_hashes(ckpt_dir: Path, m: mf.Manifest, workers: int = 4, root: Path |
 
 
 def _refuse_links(root: Path, model: str, ckpt_dir: Path) -> None:
-    for p in (mf.model_dir(root, model), ckpt_dir):
+    for p in (commit.model_dir(root, model), ckpt_dir):
         if os.path.lexists(p) and not fsafe.is_real_dir(p):
             raise UserError(
                 f"{p} is a symbolic link or not a directory: restore never writes through a link (it could point "
@@ -343,13 +338,13 @@ def _restore(cfg: NodeConfig, backend: TierBackend, name: str | None, verify: bo
     root = Path(cfg.root)
     if cfg.backend == "amlfs":
         # Never create the root: with AMLFS not mounted, that would restore onto the OS disk.
-        mf.require_root(root)
+        commit.require_root(root)
     else:
         root.mkdir(parents=True, exist_ok=True)   # local mode: the directory is the accelerator layer
     warnings: list[str] = []
     target = choose(cfg, backend, name, warnings)
     cname = target.manifest.name
-    ckpt_dir = mf.model_dir(root, cfg.model) / cname
+    ckpt_dir = commit.model_dir(root, cfg.model) / cname
     _refuse_links(root, cfg.model, ckpt_dir)
     t0 = time.monotonic()
     try:
@@ -413,7 +408,7 @@ def _in_place(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir: Pat
     m = found.manifest
     paths = [str(ckpt_dir / f.path) for f in m.files]
     prefetched = backend.prefetch(paths, _Bytes(progress, f"hsm_restore {m.name}", m.total_bytes).advance)
-    problems = mf.size_problems(ckpt_dir, m, anchor=root)
+    problems = commit.size_problems(ckpt_dir, m, anchor=root)
     if problems:
         raise IntegrityError(f"checkpoint {m.name}: {problems[0]}")
     from_archive = set(prefetched)
@@ -476,7 +471,7 @@ def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir:
             # have said so): remove it before any data arrives so that the directory never
             # looks complete too early.
             try:
-                os.unlink(mf.MARKER, dir_fd=dfd)
+                os.unlink(MARKER, dir_fd=dfd)
                 os.fsync(dfd)
             except FileNotFoundError:
                 pass
@@ -497,15 +492,15 @@ def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir:
             # The local side of a download (ENOSPC, EACCES, ...): the blob store only turns the
             # archive's own errors into UserErrors. No marker yet, so nothing looks restored.
             raise os_error(e, e.filename or ckpt_dir) from None
-        problems = mf.size_problems(ckpt_dir, m, anchor=root)
+        problems = commit.size_problems(ckpt_dir, m, anchor=root)
         if problems:
             raise IntegrityError(f"restored checkpoint {m.name} is incomplete: {problems[0]}; re-run restore")
-        marker = ckpt_dir / mf.MARKER
-        present = mf.marker_bytes(ckpt_dir, anchor=root)           # AMLFS imports bring the marker themselves
+        marker = ckpt_dir / MARKER
+        present = commit.marker_bytes(ckpt_dir, anchor=root)           # AMLFS imports bring the marker themselves
         if present is None:
             try:
                 fsafe.write_file(marker, found.marker, exclusive=True, anchor=root)
-                mf.fsync_dir(ckpt_dir)
+                commit.fsync_dir(ckpt_dir)
             except fsafe.UnsafePath:
                 raise
             except FileExistsError:
@@ -524,8 +519,8 @@ def _from_archive(cfg: NodeConfig, backend: TierBackend, found: Found, ckpt_dir:
             # Whatever the failure, nothing may look committed (an AMLFS import brings the
             # archive's marker with the data, before the data could be checked).
             try:
-                if fsafe.unlink(ckpt_dir / mf.MARKER, anchor=root):
-                    mf.fsync_dir(ckpt_dir)
+                if fsafe.unlink(ckpt_dir / MARKER, anchor=root):
+                    commit.fsync_dir(ckpt_dir)
             except OSError:
                 pass
     if not hashed:

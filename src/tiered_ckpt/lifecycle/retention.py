@@ -32,9 +32,9 @@ from typing import Any
 from tiered_ckpt import records
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConflictError, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import commit, fsafe
 from tiered_ckpt.io.lock import checkpoint_lock, exclusive, lock_path
+from tiered_ckpt.io.marker import MARKER, Manifest
 from tiered_ckpt.lifecycle import pins, tombstone
 from tiered_ckpt.lifecycle.journal import add as _journal_add
 from tiered_ckpt.lifecycle.journal import forget, forget_restored, journaled, restored
@@ -101,7 +101,7 @@ class ApplyResult:
         return d
 
 
-def _created(m: mf.Manifest | None) -> datetime | None:
+def _created(m: Manifest | None) -> datetime | None:
     if m is None:
         return None
     try:
@@ -122,7 +122,7 @@ def _dir_bytes(p: Path) -> int:
     return total
 
 
-def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, CheckpointProof], pending: set[str],
+def candidates_from(infos: Sequence[commit.CheckpointInfo], proofs: dict[str, CheckpointProof], pending: set[str],
                     restored: Mapping[str, datetime] | None = None,
                     pinned: Mapping[str, Sequence[str]] | None = None) -> list[Candidate]:
     out = []
@@ -144,12 +144,12 @@ def candidates_from(infos: Sequence[mf.CheckpointInfo], proofs: dict[str, Checkp
 def _marker_bytes(root: str | os.PathLike[str], ckpt_dir: Path) -> bytes | None:
     """The marker's bytes as they are now (no symlink followed); None if absent or unreadable."""
     try:
-        return mf.marker_bytes(ckpt_dir, anchor=root)
+        return commit.marker_bytes(ckpt_dir, anchor=root)
     except OSError:
         return None
 
 
-def _evidence(root: str | os.PathLike[str], infos: Sequence[mf.CheckpointInfo]) -> dict[str, bytes]:
+def _evidence(root: str | os.PathLike[str], infos: Sequence[commit.CheckpointInfo]) -> dict[str, bytes]:
     """The marker bytes behind each committed checkpoint of a scan: what apply re-checks."""
     out: dict[str, bytes] = {}
     for c in infos:
@@ -157,7 +157,7 @@ def _evidence(root: str | os.PathLike[str], infos: Sequence[mf.CheckpointInfo]) 
             continue
         data = _marker_bytes(root, c.path)
         try:
-            same = data is not None and mf.Manifest.from_json(data) == c.manifest
+            same = data is not None and Manifest.from_json(data) == c.manifest
         except ValueError:
             same = False
         if same and data is not None:       # changed between the scan and this read: no evidence
@@ -170,7 +170,7 @@ def candidates(cfg: NodeConfig, backend: TierBackend) -> list[Candidate]:
 
 
 def _gather(cfg: NodeConfig, backend: TierBackend) -> tuple[list[Candidate], dict[str, bytes]]:
-    infos = mf.scan(cfg.root, cfg.model, cfg.naming)
+    infos = commit.scan(cfg.root, cfg.model, cfg.naming)
     evidence = _evidence(cfg.root, infos)
     cands = candidates_from(infos, prove(backend, infos), journaled(cfg.root, cfg.model),
                             restored(cfg.root, cfg.model), pins.pinned(cfg.root, cfg.model))
@@ -180,14 +180,14 @@ def _gather(cfg: NodeConfig, backend: TierBackend) -> tuple[list[Candidate], dic
 def evaluate(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime | None = None) -> RetentionDecisions:
     """The policy's decisions for the model's checkpoints as they are now; changes nothing."""
     now = now or datetime.now(timezone.utc)
-    mf.require_root(cfg.root)
+    commit.require_root(cfg.root)
     cands, evidence = _gather(cfg, backend)
     ev = RetentionDecisions(cfg.model, policy, decide(cands, policy, now), now.isoformat())
     ev.evidence = evidence
     return ev
 
 
-def _reproved(cfg: NodeConfig, backend: TierBackend, infos: list[mf.CheckpointInfo]) -> dict[str, CheckpointProof]:
+def _reproved(cfg: NodeConfig, backend: TierBackend, infos: list[commit.CheckpointInfo]) -> dict[str, CheckpointProof]:
     """Fresh proofs for a few checkpoints: one listing of each one's own prefix, not of the model."""
     listing: dict[str, BlobInfo] | None = None
     if backend.archive_configured:
@@ -198,18 +198,18 @@ def _reproved(cfg: NodeConfig, backend: TierBackend, infos: list[mf.CheckpointIn
 
 
 def _recheck(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions,
-             d: Decision) -> tuple[mf.CheckpointInfo | None, Decision | None]:
+             d: Decision) -> tuple[commit.CheckpointInfo | None, Decision | None]:
     """Under the checkpoint's lock: is the evidence for deleting/releasing `d` still true?
 
     (info, None) to go ahead, or (None, the decision to report instead).
     """
-    path = mf.model_dir(cfg.root, cfg.model) / d.name
+    path = commit.model_dir(cfg.root, cfg.model) / d.name
     cid = parse_name(d.name, cfg.naming)
     want = ev.evidence.get(d.name)
     if cid is None or want is None or not fsafe.is_real_dir(path) or _marker_bytes(cfg.root, path) != want:
         return None, Decision(d.name, SKIP, ("changed since the plan (re-saved, restored or removed): not touched; "
                                              "decided again next run",), d.bytes)
-    info = mf.inspect(cfg.model, path, cid)
+    info = commit.inspect(cfg.model, path, cid)
     if info.manifest is None:
         return None, Decision(d.name, SKIP, ("no longer committed: not touched",), d.bytes)
     proof = _reproved(cfg, backend, [info]).get(d.name)
@@ -246,8 +246,8 @@ def apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime |
     evidence the evaluation used: the same marker bytes and a fresh archive proof (delete/release),
     or the journal entry still there and still no marker (resume-delete).
     """
-    mf.require_root(cfg.root)       # before the lock: exclusive() would create <root>/<model>
-    mdir = mf.model_dir(cfg.root, cfg.model)
+    commit.require_root(cfg.root)       # before the lock: exclusive() would create <root>/<model>
+    mdir = commit.model_dir(cfg.root, cfg.model)
     if os.path.islink(mdir):
         raise UserError(f"model directory {mdir} is a symbolic link; retention never follows one (it would act "
                         "outside the checkpoint root): replace it with the real directory, or point root: at it")
@@ -283,12 +283,12 @@ def _apply(cfg: NodeConfig, backend: TierBackend, policy: Policy, now: datetime 
         ev = evaluate(cfg, backend, policy, now)
         res = ApplyResult(ev)
         root = cfg.root
-        model_dir = mf.model_dir(root, cfg.model)
+        model_dir = commit.model_dir(root, cfg.model)
         # Leftover journal entries whose directory is gone, or committed again (a restore
         # brought it back): drop them, so they can never mark a later restore for deletion.
         for name in journaled(root, cfg.model):
             where = model_dir / name
-            if parse_name(name, cfg.naming) is None or not where.exists() or mf.read_marker(where) is not None:
+            if parse_name(name, cfg.naming) is None or not where.exists() or commit.read_marker(where) is not None:
                 forget(root, cfg.model, name)
         # Restore records past their grace period, or of checkpoints gone: no longer needed.
         cutoff = datetime.now(timezone.utc).timestamp() - policy.restore_grace
@@ -325,7 +325,7 @@ def _record(cfg: NodeConfig, res: ApplyResult) -> None:
 def _delete_one(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions, d: Decision,
                 res: ApplyResult) -> Decision:
     root = cfg.root
-    path = mf.model_dir(root, cfg.model) / d.name
+    path = commit.model_dir(root, cfg.model) / d.name
     with ExitStack() as stack:
         instead = _take_lock(stack, cfg, d)
         if instead is not None:
@@ -337,11 +337,11 @@ def _delete_one(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions, d
             if d.name not in journaled(root, cfg.model):
                 return Decision(d.name, SKIP, ("its journal entry is gone (saved or restored since the plan): "
                                                "not touched",), d.bytes)
-            if os.path.lexists(path / mf.MARKER) or not fsafe.is_real_dir(path):
+            if os.path.lexists(path / MARKER) or not fsafe.is_real_dir(path):
                 return Decision(d.name, SKIP, ("it has a marker again (or is no longer a directory): not touched",),
                                 d.bytes)
             entry = _journal_add(root, cfg.model, d.name)
-            mf.remove_checkpoint(path, anchor=root)
+            commit.remove_checkpoint(path, anchor=root)
         else:
             info, instead = _recheck(cfg, backend, ev, d)
             if instead is not None:
@@ -350,7 +350,7 @@ def _delete_one(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions, d
             entry = _journal_add(root, cfg.model, d.name)
             # Before the marker goes: the name now lives only in the archive.
             tombstone.record(root, cfg.model, d.name, info.manifest)
-            mf.remove_checkpoint(path, anchor=root)          # marker first, then data
+            commit.remove_checkpoint(path, anchor=root)          # marker first, then data
         fsafe.unlink(entry, anchor=root)
         forget_restored(root, cfg.model, d.name)
     res.done.append(f"delete {d.name}")
@@ -363,7 +363,7 @@ def _release_all(cfg: NodeConfig, backend: TierBackend, ev: RetentionDecisions, 
     """Release under every checkpoint's lock at once, so that one lfs call covers many checkpoints."""
     out: dict[str, Decision] = {}
     with ExitStack() as stack:
-        ready: list[tuple[Decision, mf.CheckpointInfo]] = []
+        ready: list[tuple[Decision, commit.CheckpointInfo]] = []
         for d in releases:
             instead = _take_lock(stack, cfg, d)
             if instead is not None:

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from tiered_ckpt.config import ArchiveConfig
 from tiered_ckpt.errors import ConflictError, UnavailableError, UserError
-from tiered_ckpt.io.commit import MARKER
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.lifecycle import journal, tombstone
 from tiered_ckpt.redact import redact
 

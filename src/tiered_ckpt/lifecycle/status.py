@@ -30,8 +30,7 @@ from typing import Any
 
 from tiered_ckpt import records
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import mounts
+from tiered_ckpt.io import commit, mounts
 from tiered_ckpt.lifecycle.exporter import Exporter, default_status_path, read_status, walk_tree
 from tiered_ckpt.lifecycle.journal import journaled
 from tiered_ckpt.lifecycle.policy import Policy, decide
@@ -234,10 +233,10 @@ def gather(backend: TierBackend, policy: Policy | None = None,
     """
     started = time.monotonic()
     cfg = backend.cfg
-    mf.require_root(cfg.root)
+    commit.require_root(cfg.root)
     policy = policy or Policy.from_config(cfg.retention)
     out = Status(cfg.model, backend.kind, str(cfg.root))
-    infos = mf.scan(cfg.root, cfg.model, cfg.naming)
+    infos = commit.scan(cfg.root, cfg.model, cfg.naming)
     amlfs = backend.kind == "amlfs"      # the tier has HSM: proof and backlog ask lfs
     # One listing of the model's blobs serves the proof, the archive-only checkpoints and the
     # backlog: on a large model each listing is many pages, and an unreachable archive would
@@ -305,7 +304,7 @@ def gather(backend: TierBackend, policy: Policy | None = None,
         if archive_err is not None and not amlfs:
             # Local mode measures the backlog against the archive.
             raise UserError("measured against the archive, which could not be listed (see archive)")
-        out.backlog = backlog(backend, mf.model_dir(cfg.root, cfg.model), blobs)
+        out.backlog = backlog(backend, commit.model_dir(cfg.root, cfg.model), blobs)
         if out.backlog.note:
             out.check("backlog", PROBLEM, out.backlog.note)
         else:

@@ -29,8 +29,8 @@ from typing import Any
 
 from tiered_ckpt import records
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import commit, fsafe
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.lifecycle import tombstone
 from tiered_ckpt.lifecycle.proof import CheckpointProof, prove
 from tiered_ckpt.lifecycle.restore import archive_committed
@@ -156,10 +156,10 @@ def _history_events(hist: list[dict[str, Any]]) -> list[Event]:
 def gather(backend: TierBackend, since_unix: float | None = None, now: float | None = None) -> Timeline:
     """The model's timeline; `since_unix`: only what ended (or is still open) at or after it."""
     cfg = backend.cfg
-    mf.require_root(cfg.root)
+    commit.require_root(cfg.root)
     now = time.time() if now is None else now
     tl = Timeline(cfg.model, str(cfg.root), now, since_unix)
-    infos = mf.scan(cfg.root, cfg.model, cfg.naming)
+    infos = commit.scan(cfg.root, cfg.model, cfg.naming)
     committed = {c.name: c for c in infos if c.manifest is not None}
     for c in infos:
         if c.manifest is None:
@@ -187,7 +187,7 @@ def gather(backend: TierBackend, since_unix: float | None = None, now: float | N
             for m in archive_committed(backend.store, cfg.model, blobs, cfg.naming):
                 if m.name not in committed:
                     tl.tiers[m.name] = "only in archive"
-                    rels = [f"{cfg.model}/{m.name}/{f.path}" for f in m.files] + [f"{cfg.model}/{m.name}/{mf.MARKER}"]
+                    rels = [f"{cfg.model}/{m.name}/{f.path}" for f in m.files] + [f"{cfg.model}/{m.name}/{MARKER}"]
                     commits[m.name] = (_unix(m.created_utc), rels)
         except UserError as e:
             tl.warnings.append(f"archive-only checkpoints unavailable: {e}")

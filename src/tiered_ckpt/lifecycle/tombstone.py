@@ -23,8 +23,8 @@ from pathlib import Path
 
 from tiered_ckpt.errors import EXIT_CONFLICT, UserError
 from tiered_ckpt.io import fsafe
-from tiered_ckpt.io.commit import Manifest
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import Manifest
 
 TOMBSTONES = ".archived"
 

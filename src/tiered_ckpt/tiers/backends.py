@@ -24,8 +24,8 @@ from typing import Any, ClassVar, Protocol
 from tiered_ckpt.config import NodeConfig
 from tiered_ckpt.errors import ConfigError, IntegrityError, UnavailableError
 from tiered_ckpt.io import fsafe
-from tiered_ckpt.io.commit import MARKER, FileEntry, Manifest
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import FileEntry, Manifest
 from tiered_ckpt.tiers import blob as blobstore
 from tiered_ckpt.tiers.blob import BlobStore
 from tiered_ckpt.tiers.hsm import HsmState, Lfs
@@ -322,4 +322,4 @@ def make_backend(cfg: NodeConfig, store: BlobStore | None = None, **kw: Any) -> 
     return AmlfsBackend(cfg, store, **kw)
 
 
-__all__ = ["MARKER", "AmlfsBackend", "LocalBackend", "TierBackend", "make_backend"]
+__all__ = ["AmlfsBackend", "LocalBackend", "TierBackend", "make_backend"]

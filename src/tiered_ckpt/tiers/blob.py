@@ -26,8 +26,8 @@ from azure.storage.blob import BlobServiceClient, ContainerClient
 from tiered_ckpt.config import ArchiveConfig
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_UNAVAILABLE, ConfigError, UnavailableError, UserError
 from tiered_ckpt.io import fsafe
-from tiered_ckpt.io.commit import MARKER, Manifest
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import MARKER, Manifest
 from tiered_ckpt.naming import DEFAULT as DEFAULT_NAMING
 from tiered_ckpt.naming import parse_in
 from tiered_ckpt.redact import redact, safe_url

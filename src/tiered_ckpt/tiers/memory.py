@@ -29,9 +29,9 @@ from pathlib import Path
 
 from tiered_ckpt.config import MemoryConfig
 from tiered_ckpt.errors import UserError
-from tiered_ckpt.io import commit as mf
-from tiered_ckpt.io import fsafe
+from tiered_ckpt.io import commit, fsafe
 from tiered_ckpt.io.hashing import new_hasher
+from tiered_ckpt.io.marker import MARKER
 from tiered_ckpt.logs import fields
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,9 @@ def ensure_root(root: Path, anchor: str | os.PathLike[str]) -> Path:
     return root
 
 
-def committed(root: Path, model: str, naming: str) -> list[mf.CheckpointInfo]:
+def committed(root: Path, model: str, naming: str) -> list[commit.CheckpointInfo]:
     """The committed copies under one copy root, oldest first (sizes checked, as on Lustre)."""
-    return mf.committed(mf.scan(root, model, naming))
+    return commit.committed(commit.scan(root, model, naming))
 
 
 def held_replicas(dir: str | os.PathLike[str], world: int, model: str, naming: str) -> dict[int, list[str]]:
@@ -102,14 +102,14 @@ def usage(dir: str | os.PathLike[str]) -> int:
     return total
 
 
-def _copies(root: Path, model: str, naming: str) -> list[mf.CheckpointInfo]:
+def _copies(root: Path, model: str, naming: str) -> list[commit.CheckpointInfo]:
     """Every copy directory (committed or not), oldest first."""
-    return mf.scan(root, model, naming)
+    return commit.scan(root, model, naming)
 
 
-def remove(info: mf.CheckpointInfo, root: Path, reason: str) -> None:
+def remove(info: commit.CheckpointInfo, root: Path, reason: str) -> None:
     """Delete one copy, marker first (io/commit.py), with one log record."""
-    mf.remove_checkpoint(info.path, anchor=root)
+    commit.remove_checkpoint(info.path, anchor=root)
     log.info("memory tier: removed %s (%s)", info.path, reason,
              extra=fields("memory evict", checkpoint=info.name, outcome="removed", reason=reason))
 
@@ -168,7 +168,7 @@ def make_room(cfg: MemoryConfig, root: Path, model: str, naming: str, need: int,
     return Room(usage(cfg.dir), tuple(i.name for i in drop))
 
 
-def _size(info: mf.CheckpointInfo) -> int:
+def _size(info: commit.CheckpointInfo) -> int:
     total = 0
     try:
         with os.scandir(info.path) as it:
@@ -180,7 +180,7 @@ def _size(info: mf.CheckpointInfo) -> int:
     return total
 
 
-def hash_problems(info: mf.CheckpointInfo) -> list[str]:
+def hash_problems(info: commit.CheckpointInfo) -> list[str]:
     """Every listed file hashed against the marker (sizes were checked when `info` was made)."""
     m = info.manifest
     assert m is not None
@@ -207,10 +207,10 @@ def hash_problems(info: mf.CheckpointInfo) -> list[str]:
     return bad
 
 
-def files_of(info: mf.CheckpointInfo) -> list[str]:
+def files_of(info: commit.CheckpointInfo) -> list[str]:
     """The relative paths of one committed copy: every listed file, then the marker (sent last)."""
     assert info.manifest is not None
-    return [f.path for f in info.manifest.files] + [mf.MARKER]
+    return [f.path for f in info.manifest.files] + [MARKER]
 
 
 def write_copy(root: Path, anchor: str | os.PathLike[str], model: str, name: str,
@@ -221,7 +221,7 @@ def write_copy(root: Path, anchor: str | os.PathLike[str], model: str, name: str
     ensure_root(root, anchor)
     d = root / model / name
     if os.path.lexists(d):
-        mf.remove_checkpoint(d, anchor=root)
+        commit.remove_checkpoint(d, anchor=root)
     fd = fsafe.make_dirs(d, anchor=root)
     try:
         for rel, chunks in files:
@@ -286,7 +286,7 @@ def summary(cfg: MemoryConfig, model: str, naming: str) -> Summary | None:
     if not cfg.dir or not Path(cfg.dir).is_dir():
         return None
     own = peer = 0
-    newest: mf.CheckpointInfo | None = None
+    newest: commit.CheckpointInfo | None = None
     for wdir in sorted(Path(cfg.dir).glob("w*")):
         for rdir in sorted(wdir.glob("r*")):
             got = committed(rdir, model, naming)
