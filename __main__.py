@@ -4,8 +4,8 @@ from pathlib import Path
 import pulumi
 from pulumi.runtime import config as runtime_config
 
-from components.platform import Platform, PlatformArgs
-from components.settings import NAMESPACE, SCHEMA, SettingsError, load
+from components.resources.platform import Platform, PlatformArgs
+from components.settings.schema import NAMESPACE, SCHEMA, SettingsError, load
 
 ROOT = Path(__file__).resolve().parent
 

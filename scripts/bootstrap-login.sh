@@ -1,7 +1,7 @@
 #!/bin/bash
 # tiered-ckpt boot of the login/controller VM: Lustre, the toolkit, retention (once per cluster), slurmctld
 # with its state on Lustre, the cleanup of departed dynamic nodes. Run once by cloud-init (runcmd) as root;
-# settings from /etc/tiered-ckpt/boot.env (components/cloud_init.py writes both).
+# settings from /etc/tiered-ckpt/boot.env (components/node/cloud_init.py writes both).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib/boot-common.sh
 . "${SYSROOT:-}/usr/local/lib/tiered-ckpt/boot-common.sh"

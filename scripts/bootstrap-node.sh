@@ -1,7 +1,7 @@
 #!/bin/bash
 # tiered-ckpt boot of an ND node (slurmd; ROLE=node), or of a node of a cluster you bring (ROLE=byo: no
 # Slurm of ours; `--retention` on exactly one host). Run once by cloud-init (runcmd) as root; settings from
-# /etc/tiered-ckpt/boot.env (components/cloud_init.py writes both).
+# /etc/tiered-ckpt/boot.env (components/node/cloud_init.py writes both).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib/boot-common.sh
 . "${SYSROOT:-}/usr/local/lib/tiered-ckpt/boot-common.sh"

@@ -6,7 +6,7 @@
 
 Writes the key file (default /etc/munge/munge.key, mode 0400, owner munge: munged(8) refuses a key others can
 read). The key travels only between Key Vault and that file: never on a command line, in the environment, in
-custom data, in a log line or in Pulumi state. Installed on the VMs by cloud-init (scripts/, components/cloud_init.py); standard library only.
+custom data, in a log line or in Pulumi state. Installed on the VMs by cloud-init (scripts/, components/node/cloud_init.py); standard library only.
 
 Key Vault REST: GET/PUT {vault}/secrets/{name}?api-version=7.4 (REST reference, "Get Secret", "Set Secret");
 a token for https://vault.azure.net from IMDS for the user-assigned identity (Azure docs, "How to use managed

@@ -17,7 +17,7 @@ VMs": GET http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01
 an event lists the affected instance names in `Resources`; POST {"StartRequests": [{"EventId": ...}]} to the
 same URL starts it. A Preempt (Spot eviction) gives at least 30 s, a Terminate the scale set's
 terminateNotificationProfile delay, Reboot/Redeploy at least 10/10 minutes. Installed by cloud-init
-(scripts/, components/cloud_init.py); standard library only.
+(scripts/, components/node/cloud_init.py); standard library only.
 """
 from __future__ import annotations
 

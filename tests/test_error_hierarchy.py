@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from components import settings
+from components.settings import schema
 from tiered_ckpt.errors import EXIT_FAILED, EXIT_USAGE, IntegrityError, UserError
 from tiered_ckpt.io.marker import parse_marker
 from tiered_ops import mockrun
@@ -14,8 +14,8 @@ from tiered_ops.mockrun import stack_config
 
 def test_refused_stack_settings_are_a_user_error_with_the_usage_exit_code() -> None:
     with pytest.raises(UserError) as err:
-        settings.load(stack_config("prod", {"nodeCount": "eight"}), "prod")
-    assert isinstance(err.value, settings.SettingsError) and err.value.exit_code == EXIT_USAGE
+        schema.load(stack_config("prod", {"nodeCount": "eight"}), "prod")
+    assert isinstance(err.value, schema.SettingsError) and err.value.exit_code == EXIT_USAGE
     assert "tiered:nodeCount" in str(err.value)
 
 

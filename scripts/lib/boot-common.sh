@@ -2,7 +2,7 @@
 # Steps shared by the tiered-ckpt node boot (sourced by bootstrap-login.sh and bootstrap-node.sh).
 #
 # Settings arrive in an environment file that the VM's custom data writes (/etc/tiered-ckpt/boot.env,
-# rendered by components/cloud_init.py); nothing here is filled in by text substitution. SYSROOT (empty on a
+# rendered by components/node/cloud_init.py); nothing here is filled in by text substitution. SYSROOT (empty on a
 # VM) prefixes every file this touches, so tests run the same steps against an image double in a directory.
 # Every step is idempotent: a re-run after a failure (or a reimage) converges.
 
@@ -16,7 +16,7 @@ die() { echo "tiered-ckpt-bootstrap: error: $*" >&2; exit 1; }
 # load_settings NAME...: source the environment file and refuse to go on without the named settings.
 load_settings() {
   local env=${BOOT_ENV:-$SYSROOT/etc/tiered-ckpt/boot.env} k missing=()
-  [ -r "$env" ] || die "$env is missing: the VM's custom data writes it (components/cloud_init.py)"
+  [ -r "$env" ] || die "$env is missing: the VM's custom data writes it (components/node/cloud_init.py)"
   # shellcheck source=/dev/null
   . "$env"
   for k in "$@"; do [ -n "${!k:-}" ] || missing+=("$k"); done
@@ -111,7 +111,7 @@ lustre_dkms() {
   fi
 }
 
-# TIERED_LUSTRE_CLIENT (components/vm_security.py decides it for our VMs): auto (signed kmod under Secure
+# TIERED_LUSTRE_CLIENT (components/settings/vm_security.py decides it for our VMs): auto (signed kmod under Secure
 # Boot, the image's DKMS client otherwise), kmod or dkms.
 lustre_client() {
   local kernel sb=off mode=${TIERED_LUSTRE_CLIENT:-auto}
@@ -168,7 +168,7 @@ fetch_toolkit() {
   [ "$ok" = 1 ]
 }
 
-# Dependencies in pip's hash-checking mode from the lock the program ships (components/node_lock.py): every
+# Dependencies in pip's hash-checking mode from the lock the program ships (components/node/node_lock.py): every
 # wheel pinned and its sha256 checked; then the toolkit itself (already sha256-checked) with no dependency
 # resolution, no index and no build isolation.
 install_toolkit() {

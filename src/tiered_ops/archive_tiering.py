@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from components.settings import NAMESPACE, SCHEMA_BY_NAME
+from components.settings.schema import NAMESPACE, SCHEMA_BY_NAME
 
 LIFECYCLE_KEYS = ("coolAfterDays", "coldAfterDays")
 NEVER_EXPIRES = ("never expires: the lifecycle policy only tiers; archive retention "

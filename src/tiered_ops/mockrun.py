@@ -160,7 +160,7 @@ def _arm_id(typ: str, name: str, inputs: dict[str, Any]) -> str:
 
 
 def _mock_state(typ: str, logical: str, inputs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    from components.settings import SKUS
+    from components.settings.azure import SKUS
 
     name_key = {"azure-native:storage:StorageAccount": "accountName", "azure-native:storage:BlobContainer": "containerName",
                 "azure-native:storage:Blob": "blobName", "azure-native:storagecache:AmlFilesystem": "amlFilesystemName",

@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from components import cloud_init as node_boot
-from components import sizing, vm_security
+from components.node import cloud_init as node_boot
+from components.settings import sizing, vm_security
 from tiered_ckpt.cli.output import print_error
 from tiered_ckpt.errors import EXIT_OK, EXIT_USAGE
 from tiered_ckpt.redact import redact_data
@@ -143,7 +143,7 @@ VM_TYPES = ("azure-native:compute:VirtualMachine", "azure-native:compute:Virtual
 
 def vm_summary(result: mockrun.PreviewResult) -> list[dict[str, Any]]:
     """Per VM (the login VM, the scale set): size, the security profile as sent, and the boot path that goes
-    with it (components/vm_security.py: which Lustre client the image's boot loads, and why). `matches` is
+    with it (components/settings/vm_security.py: which Lustre client the image's boot loads, and why). `matches` is
     False when the sent profile differs from that decision: a reviewer must not miss it."""
     mode = str(result.config.get("tiered:trustedLaunch", "auto"))
     out: list[dict[str, Any]] = []
@@ -158,7 +158,7 @@ def vm_summary(result: mockrun.PreviewResult) -> list[dict[str, Any]]:
             "name": r.name, "kind": "scale set (ND nodes)" if scale_set else "login VM", "size": size, **sent,
             "lustreClient": decided.lustre_client, "why": decided.why,
             "matches": (sent["securityType"], sent["secureBoot"], sent["vTPM"]) == (decided.security_type, decided.secure_boot, decided.vtpm),
-            # The Slurm packages this VM's boot installs, read from its custom data (components/cloud_init.py).
+            # The Slurm packages this VM's boot installs, read from its custom data (components/node/cloud_init.py).
             "slurmPackages": _boot(_get(r.inputs, "virtualMachineProfile", "osProfile", "customData") if scale_set
                                    else _get(r.inputs, "osProfile", "customData")).get("slurm"),
         })
@@ -249,7 +249,7 @@ def _custom_data(v: Any, path: str = "") -> list[tuple[str, str]]:
 
 
 def _boot(b64: Any) -> dict[str, str]:
-    """The boot's Slurm packages and Lustre client path, from a VM's custom data (components/cloud_init.py)."""
+    """The boot's Slurm packages and Lustre client path, from a VM's custom data (components/node/cloud_init.py)."""
     try:
         return node_boot.boot_facts(base64.b64decode(str(b64 or ""), validate=True).decode())
     except (binascii.Error, UnicodeDecodeError, yaml.YAMLError):
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if vms:
         print("\nper VM (security profile as sent; boot path that goes with it):")
         for v in vms:
-            flag = "" if v["matches"] else "  MISMATCH with components/vm_security.py"
+            flag = "" if v["matches"] else "  MISMATCH with components/settings/vm_security.py"
             print(f"  {v['name']:<22} {v['kind']:<20} {v['size']:<28} securityType={v['securityType']}  "
                   f"secureBoot={'on' if v['secureBoot'] else 'off'}  vTPM={'on' if v['vTPM'] else 'off'}  "
                   f"lustreClient={v['lustreClient']}{flag}")

@@ -1,5 +1,5 @@
 """A real Slurm on this machine for the tests: munged, slurmctld and one dynamic slurmd, all under
-one temporary directory, from the slurm.conf that components/slurm_conf.py renders.
+one temporary directory, from the slurm.conf that components/node/slurm_conf.py renders.
 
 Everything private to the run: munge key and socket, state and spool directories, log files,
 free ports (SlurmctldPort/SlurmdPort); clients find it through SLURM_CONF. The daemons run in the
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from components.slurm_conf import (
+from components.node.slurm_conf import (
     SlurmConfInputs,
     render_cgroup_conf,
     render_gres_conf,

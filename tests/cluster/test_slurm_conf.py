@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from components.slurm_conf import (
+from components.node.slurm_conf import (
     TREE_WIDTH_NO_FANOUT,
     SlurmConfInputs,
     max_node_count,

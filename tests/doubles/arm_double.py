@@ -18,7 +18,7 @@ azure-mgmt-storagecache 4.1.0 client sends. Examples followed, response by respo
 * GET  .../locations/{loc}/ascOperations/{id}  -- 2026-08-01/AscOperations_Get.json (the async-operation monitor)
 * GET  /subscriptions/{sub}/providers/Microsoft.StorageCache/skus -- Skus_List.json (the preflight's region check)
 
-Two reads outside Microsoft.StorageCache, for the program's preflight (components/regions.py), each at
+Two reads outside Microsoft.StorageCache, for the program's preflight (components/settings/regions.py), each at
 its own api-version:
 
 * GET  /subscriptions/{sub}/providers/Microsoft.Compute/skus?$filter=location eq '<loc>'

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from pulumi.dynamic.dynamic import serialize_provider
 
-from components import arm_auth
-from components.arm_auth import resolve
-from components.blob_jobs import ArmClientFactory, ArmCredentialCheckProvider
-from components.settings import SettingsError
+from components.resources import arm_auth
+from components.resources.arm_auth import resolve
+from components.resources.blob_jobs import ArmClientFactory, ArmCredentialCheckProvider
+from components.settings.schema import SettingsError
 
 IDS = {"clientId": "11111111-2222-3333-4444-555555555555", "tenantId": "66666666-7777-8888-9999-000000000000"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pulumi.dynamic.dynamic import serialize_provider
 
-from components.blob_jobs import WaitForBlobJobsProvider as P
+from components.resources.blob_jobs import WaitForBlobJobsProvider as P
 
 pytestmark = pytest.mark.timeout(60)
 

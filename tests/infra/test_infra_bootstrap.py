@@ -12,19 +12,17 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from components import cloud_init, node_lock, slurm_conf
+from components.node import cloud_init, node_lock, slurm_conf, toolkit
 from tests.doubles.azure_vm import SECRET, FakeAzure
 from tests.doubles.image import KERNEL, LUSTRE, Image, make_image
 from tiered_ckpt import records
 
-from .conftest import Plan
-from .test_infra_cloud_init import ROOT, _inputs, schema_check
+from .conftest import ROOT, Plan, node_inputs, schema_check
 
 pytestmark = pytest.mark.timeout(120)
 NODE_ID, LOGIN_ID = "node-identity", "login-identity"
@@ -53,7 +51,7 @@ def _cloud_config(azure: FakeAzure, role: str, **over: object) -> str:
     slurm = cloud_init.SlurmInputs(conf=conf, vault_url=azure.url, secret_name=SECRET,
                                    vault_client_id=LOGIN_ID if role == cloud_init.ROLE_LOGIN else NODE_ID)
     blob = azure.blobs["/tools/toolkit.tar.gz"]
-    n = _inputs(role=role, slurm=slurm, identity_client_id=NODE_ID, tools_url=f"{azure.url}/tools/toolkit.tar.gz",
+    n = node_inputs(role=role, slurm=slurm, identity_client_id=NODE_ID, tools_url=f"{azure.url}/tools/toolkit.tar.gz",
                 tools_sha256=hashlib.sha256(blob).hexdigest(), model="llama3-70b", **over)
     # The VM reaches IMDS at the link-local address; here the local stand-in answers.
     return cloud_init.render(n).replace(f"IMDS={cloud_init.IMDS}", f"IMDS={azure.url}")
@@ -153,7 +151,7 @@ def test_a_vm_whose_slurm_user_has_another_uid_fails_naming_it(tmp_path: Path, a
                      run.stderr), run.stderr
 
 
-# --- what the previous boot (components/cloud_init.py before issue 20, commit ead7d6e) did, on the image ---
+# --- what the previous boot (components/node/cloud_init.py before issue 20, commit ead7d6e) did, on the image ---
 
 def test_the_previous_slurm_install_finds_no_candidate_on_the_image(tmp_path: Path) -> None:
     img = make_image(tmp_path / "image", secure_boot=False)
@@ -208,7 +206,7 @@ def test_slurm_smd_creates_no_users_and_ubuntus_munge_picks_its_own_uid(tmp_path
 
 def test_fstab_uses_the_automount_options_and_replaces_an_older_entry(tmp_path: Path) -> None:
     img = make_image(tmp_path / "image", secure_boot=False)
-    img.write_files(cloud_init.render(_inputs()))
+    img.write_files(cloud_init.render(node_inputs()))
     (img.root / "etc/fstab").write_text("UUID=1 / ext4 defaults 0 1\n10.0.0.9@tcp:/lustrefs /lustrefs lustre _netdev,noatime,flock 0 0\n")
     lib = img.root / cloud_init.BOOT_LIB.lstrip("/")
     for _ in range(2):      # a re-run converges on one line with the current options
@@ -226,7 +224,7 @@ def test_fstab_uses_the_automount_options_and_replaces_an_older_entry(tmp_path: 
 def test_custom_data_holds_the_scripts_unchanged_and_settings_only_in_the_environment_file() -> None:
     for role in (cloud_init.ROLE_NODE, cloud_init.ROLE_LOGIN):
         conf = slurm_conf.SlurmConfInputs("c", "h", 4, health_check_program=cloud_init.HEALTHCHECK)
-        n = _inputs(role=role, slurm=cloud_init.SlurmInputs(conf, "https://v.vault.azure.net", SECRET, "cid"))
+        n = node_inputs(role=role, slurm=cloud_init.SlurmInputs(conf, "https://v.vault.azure.net", SECRET, "cid"))
         files = {f["path"]: f["content"] for f in yaml.safe_load(cloud_init.render(n))["write_files"]}
         boot = "bootstrap-login.sh" if role == cloud_init.ROLE_LOGIN else "bootstrap-node.sh"
         assert files[cloud_init.BOOTSTRAP] == (cloud_init.SCRIPTS / boot).read_text()
@@ -236,7 +234,7 @@ def test_custom_data_holds_the_scripts_unchanged_and_settings_only_in_the_enviro
         assert "VAULT_URL=https://v.vault.azure.net" in env and "MGS=10.42.0.4" in env
         assert f"SLURM_VERSION={slurm_conf.SLURM_VERSION}" in env
     with pytest.raises(ValueError, match="line break"):
-        cloud_init.render_boot_env(replace(_inputs(), model="a\nb"))
+        cloud_init.render_boot_env(node_inputs(model="a\nb"))
 
 
 def test_the_plan_shows_each_vms_slurm_packages_and_lustre_client_path() -> None:
@@ -244,7 +242,7 @@ def test_the_plan_shows_each_vms_slurm_packages_and_lustre_client_path() -> None
     v = slurm_conf.SLURM_VERSION
     for role, sb, daemon, client in ((cloud_init.ROLE_NODE, "off", "slurm-smd-slurmd", "dkms (image)"),
                                      (cloud_init.ROLE_LOGIN, "on", "slurm-smd-slurmctld", "signed kmod")):
-        n = _inputs(role=role, secure_boot=sb, slurm=cloud_init.SlurmInputs(conf, "https://v.vault.azure.net", SECRET, "c"))
+        n = node_inputs(role=role, secure_boot=sb, slurm=cloud_init.SlurmInputs(conf, "https://v.vault.azure.net", SECRET, "c"))
         facts = cloud_init.boot_facts(cloud_init.render(n))
         assert facts["slurm"] == f"slurm-smd={v},slurm-smd-client={v},{daemon}={v}" and facts["secureBoot"] == sb
         assert facts["lustreClient"].startswith(client)
@@ -253,13 +251,13 @@ def test_the_plan_shows_each_vms_slurm_packages_and_lustre_client_path() -> None
 
 def test_the_lock_hashes_every_wheel_and_matches_pyprojects_pins(tmp_path: Path) -> None:
     pins, locked = node_lock.pyproject_pins(), node_lock.lock_pins()
-    assert {n: {v} for n, v in pins.items()} == {n: locked[n] for n in pins}, "regenerate: python -m components.node_lock"
+    assert {n: {v} for n, v in pins.items()} == {n: locked[n] for n in pins}, "regenerate: python -m components.node.node_lock"
     assert set(node_lock.TOOLING) <= set(locked)
     text = node_lock.LOCK.read_text()
     for entry in re.split(r"\n(?=[a-z0-9])", text.split("\n", 2)[2].strip()):
         assert re.match(r"^[a-z0-9-]+==\S+( ; [^\\]+)? \\\n", entry), entry
         assert re.findall(r"--hash=sha256:[0-9a-f]{64}", entry), entry
-    doc = cloud_init.render(_inputs())
+    doc = cloud_init.render(node_inputs())
     assert schema_check(doc.encode(), tmp_path).returncode == 0
     files = {f["path"]: f["content"] for f in yaml.safe_load(doc)["write_files"]}
     assert files[cloud_init.NODE_REQUIREMENTS] == text
@@ -281,7 +279,7 @@ def test_a_changed_pin_is_caught(tmp_path: Path) -> None:
 def test_a_toolkit_change_replaces_the_blob_name_and_keeps_the_old_blob(plan: Plan, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Existing instances' custom data name the old blob: the replaced blob must survive `pulumi up`."""
-    real = cloud_init.build_toolkit
+    real = toolkit.build_toolkit
     seen: list[tuple[str, str, bool, str]] = []
     for variant in ("a", "b"):
         repo = tmp_path / variant
@@ -290,7 +288,7 @@ def test_a_toolkit_change_replaces_the_blob_name_and_keeps_the_old_blob(plan: Pl
                         ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
         (repo / "src" / "tiered_ckpt" / "_variant.py").write_text(f"VARIANT = {variant!r}\n")   # a toolkit change
-        monkeypatch.setattr(cloud_init, "build_toolkit", lambda _root, out, repo=repo: real(repo, out))
+        monkeypatch.setattr(toolkit, "build_toolkit", lambda _root, out, repo=repo: real(repo, out))
         p = plan("dev")
         blob = p.one("azure-native:storage:Blob", "toolkit")
         boot = yaml.safe_load(base64.b64decode(

@@ -5,7 +5,6 @@ import base64
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -14,37 +13,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components import cloud_init
+from components.node import cloud_init, toolkit
 from tiered_ckpt import config as node_config
 from tiered_ops import mockrun
 
-from .conftest import Plan
+from .conftest import ROOT, SSH_KEY, Plan, custom_data, login_data, node_inputs, schema_check
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parents[2]
 
 SECRET_PATTERNS = [
     r"AccountKey=", r"SharedAccessSignature", r"[?&]sig=", r"\bsv=\d{4}-\d{2}-\d{2}&", r"-----BEGIN [A-Z ]*PRIVATE KEY-----",
     r"DefaultEndpointsProtocol=", r"client_secret", r"password\s*[:=]", r"BlobEndpoint=",
 ]
-
-
-def custom_data(p: mockrun.PreviewResult) -> bytes:
-    """The ND nodes' custom data."""
-    vmss = p.one("azure-native:compute:VirtualMachineScaleSet")
-    return base64.b64decode(vmss.inputs["virtualMachineProfile"]["osProfile"]["customData"])
-
-
-def login_data(p: mockrun.PreviewResult) -> bytes:
-    return base64.b64decode(p.one("azure-native:compute:VirtualMachine", "login").inputs["osProfile"]["customData"])
-
-
-def schema_check(text: bytes, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("cloud-init")
-    assert exe, "cloud-init is not installed (make install puts it there: apt-get install cloud-init)"
-    f = tmp_path / "user-data.yaml"
-    f.write_bytes(text)
-    return subprocess.run([exe, "schema", "--config-file", str(f)], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("stack", ["prod", "dev"])
@@ -111,30 +91,52 @@ def test_node_config_is_the_toolkits_own_schema_with_deployment_values(plan: Pla
     assert (cfg.retention.keep_last, cfg.retention.min_keep, cfg.retention.action) == (3, 2, "release")
 
 
-def _inputs(**over: object) -> cloud_init.NodeInputs:
-    base = dict(mgs_address="10.42.0.4", account_url="https://a.blob.core.windows.net", data_container="checkpoints",
-                blob_prefix="checkpoints", lustre_root="/lustrefs/checkpoints", model="llama3-70b", nodes=100,
-                identity_client_id="00000000-0000-0000-0000-000000000001", subscription_id="s" * 36,
-                resource_group="r" * 90, filesystem="f" * 80, autoexport_job="j" * 80, provisioned_gbps=384.0,
-                keep_last=10, keep_every_steps=1000, min_keep=5, action="release", schedule="*:0/15",
-                tools_url="https://t.blob.core.windows.net/tools/" + "x" * 200, tools_sha256="a" * 64)
-    base.update(over)
-    return cloud_init.NodeInputs(**base)  # type: ignore[arg-type]
+@pytest.mark.parametrize("stack", ["prod", "dev"])
+def test_config_yaml_is_the_one_node_config_mapping_of_settings_and_outputs(plan: Plan, stack: str) -> None:
+    """One declaration per node setting: the config.yaml every VM gets is node_config(settings, outputs)
+    dumped, and the boot's inputs carry no copy of a NodeConfig field beside it."""
+    from dataclasses import fields, is_dataclass
+
+    from components.node.config import node_config as build
+    from components.settings import schema
+
+    p = plan(stack)
+    o = p.outputs
+    s = schema.load(mockrun.stack_config(stack, {"sshPublicKey": SSH_KEY}), stack)
+    want = build(s, account_url=o["storageAccountUrl"], container=o["dataContainer"],
+                 identity_client_id=p.one("azure-native:managedidentity:UserAssignedIdentity", "gpu-identity").state["clientId"],
+                 subscription_id=o["subscriptionId"], resource_group=o["computeResourceGroup"], filesystem=o["amlfsName"],
+                 autoexport_job=o["autoExportJobName"], provisioned_gbps=float(o["provisionedGBps"]))
+    for raw in (custom_data(p), login_data(p)):
+        content = next(f["content"] for f in yaml.safe_load(raw)["write_files"] if f["path"] == cloud_init.CONFIG_PATH)
+        assert content == node_config.dump(want)
+
+    def names(cls: type) -> set[str]:
+        out = set()
+        for f in fields(cls):
+            out.add(f.name)
+            default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+            if is_dataclass(default):
+                out |= names(type(default))
+        return out
+
+    copies = {f.name for f in fields(cloud_init.NodeInputs)} & (names(node_config.NodeConfig) | {"keep_last", "action"})
+    assert not copies, f"cloud_init.NodeInputs re-declares NodeConfig fields: {sorted(copies)}"
 
 
 def test_custom_data_size_does_not_grow_with_the_toolkit(tmp_path: Path) -> None:
     # The toolkit travels as a blob, so the custom data stays small whatever the toolkit's size.
-    text = cloud_init.render(_inputs())
+    text = cloud_init.render(node_inputs())
     assert len(text.encode()) < cloud_init.CUSTOM_DATA_LIMIT * 3 // 4
     assert schema_check(text.encode(), tmp_path).returncode == 0
     # The largest documents: a node and the login VM with Slurm, the NCCL profile, every script and long
     # names everywhere stay under Azure's limit with room for the scripts to grow (a quarter of it).
-    from components import slurm_conf
+    from components.node import slurm_conf
     conf = slurm_conf.SlurmConfInputs("c" * 40, "h" * 63, 100, controller_addr="10.255.255.254", health_check_program=cloud_init.HEALTHCHECK)
     slurm = cloud_init.SlurmInputs(conf=conf, vault_url="https://" + "v" * 24 + ".vault.azure.net", secret_name="munge-key",
                                    vault_client_id="0" * 36)
     for role in (cloud_init.ROLE_NODE, cloud_init.ROLE_LOGIN):
-        big = cloud_init.render(_inputs(role=role, slurm=slurm, nccl_topo_file="/opt/microsoft/ndv5-topo.xml",
+        big = cloud_init.render(node_inputs(role=role, slurm=slurm, nccl_topo_file="/opt/microsoft/ndv5-topo.xml",
                                         training_user="u" * 32, training_group="g" * 32))
         assert len(big.encode()) < cloud_init.CUSTOM_DATA_LIMIT * 4 // 5, (role, len(big.encode()))
         assert len(base64.b64decode(cloud_init.encode(big))) == len(big.encode())
@@ -144,8 +146,8 @@ def test_custom_data_size_does_not_grow_with_the_toolkit(tmp_path: Path) -> None
 
 
 def test_toolkit_tarball_is_deterministic_and_installable(tmp_path: Path) -> None:
-    a = cloud_init.build_toolkit(ROOT, tmp_path / "a")
-    b = cloud_init.build_toolkit(ROOT, tmp_path / "b")
+    a = toolkit.build_toolkit(ROOT, tmp_path / "a")
+    b = toolkit.build_toolkit(ROOT, tmp_path / "b")
     assert a.sha256 == b.sha256 and a.path.read_bytes() == b.path.read_bytes()
     assert a.blob_name == f"tiered-ckpt-{a.sha256[:16]}.tar.gz"
     with tarfile.open(a.path) as tar:
@@ -163,10 +165,10 @@ def test_toolkit_tarball_is_deterministic_and_installable(tmp_path: Path) -> Non
 def test_a_node_venv_from_the_tarball_runs_the_toolkit_without_the_demo_libraries(tmp_path: Path) -> None:
     """What cloud-init does on a node: a fresh venv, the bootstrap's own pip lines (dependencies from the
     hashed lock in --require-hashes mode, then the toolkit tarball with no resolution), run as rendered."""
-    t = cloud_init.build_toolkit(ROOT, tmp_path / "t")
+    t = toolkit.build_toolkit(ROOT, tmp_path / "t")
     root = tmp_path / "root"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    doc = yaml.safe_load(cloud_init.render(_inputs()))
+    doc = yaml.safe_load(cloud_init.render(node_inputs()))
     for f in doc["write_files"]:
         if f["path"] in (cloud_init.NODE_REQUIREMENTS, cloud_init.BOOT_ENV, cloud_init.BOOT_LIB):
             (root / f["path"].lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +196,7 @@ def test_retention_runs_as_an_unprivileged_user_owning_nothing_but_the_shared_gr
     """The retention units as the login VM's boot leaves them: the unit from scripts/systemd plus the drop-in
     scripts/lib/boot-common.sh writes from this deployment's settings, read as systemd merges them."""
     from tests.doubles.image import make_image, systemd
-    text = cloud_init.render(_inputs(action=action, role=cloud_init.ROLE_LOGIN))
+    text = cloud_init.render(node_inputs(action=action, role=cloud_init.ROLE_LOGIN))
     assert schema_check(text.encode(), tmp_path).returncode == 0
     img = make_image(tmp_path / "image", secure_boot=False)
     img.write_files(text)

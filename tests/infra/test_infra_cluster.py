@@ -18,15 +18,13 @@ from typing import Any
 import pytest
 import yaml
 
-from components import cloud_init, slurm_conf
-from components.cluster import KEY_VAULT_SECRETS_OFFICER, KEY_VAULT_SECRETS_USER
+from components.node import cloud_init, slurm_conf
+from components.resources.identity import KEY_VAULT_SECRETS_OFFICER, KEY_VAULT_SECRETS_USER
 from tiered_ops import mockrun
 
-from .conftest import SSH_KEY, Plan
-from .test_infra_cloud_init import custom_data, login_data
+from .conftest import ROOT, SSH_KEY, Plan, custom_data, login_data
 
 pytestmark = pytest.mark.timeout(180)
-ROOT = Path(__file__).resolve().parents[2]
 T = "azure-native:"
 SUB = mockrun.MOCK_SUBSCRIPTION
 ADMIN_CIDR = "203.0.113.0/24"

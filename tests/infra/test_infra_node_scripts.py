@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from components import cloud_init
+from components.node import cloud_init
 from tests.doubles.azure_vm import SECRET, FakeAzure
 
-from .test_infra_cloud_init import _inputs
+from .conftest import node_inputs
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPTS = cloud_init.SCRIPTS
@@ -219,7 +219,7 @@ def test_a_busy_mount_gets_its_processes_stopped_before_the_acknowledgement(azur
 def _healthcheck(tmp_path: Path, env: dict[str, str]) -> list[str]:
     """The ND nodes' HEALTHCHECK as installed, with the settings of a rendered node's BOOT_ENV."""
     boot_env = tmp_path / "boot.env"
-    boot_env.write_text(cloud_init.render_boot_env(_inputs()))
+    boot_env.write_text(cloud_init.render_boot_env(node_inputs()))
     env["BOOT_ENV"] = str(boot_env)
     return ["bash", str(SCRIPTS / "healthcheck.sh")]
 

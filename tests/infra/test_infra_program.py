@@ -5,7 +5,7 @@ import base64
 
 import pytest
 
-from components.core_storage import STORAGE_ACCOUNT_CONTRIBUTOR, STORAGE_BLOB_DATA_CONTRIBUTOR
+from components.resources.identity import STORAGE_ACCOUNT_CONTRIBUTOR, STORAGE_BLOB_DATA_CONTRIBUTOR
 from tiered_ops import mockrun
 
 from .conftest import SSH_KEY, Plan

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pulumi.dynamic.dynamic import serialize_provider
 
-from components.blob_jobs import ArmCredentialCheckProvider
-from components.regions import offering_locations, region_problem
+from components.resources.blob_jobs import ArmCredentialCheckProvider
+from components.settings.regions import offering_locations, region_problem
 
 
 def _sku(name: str, locations: list[str], zones: list[str] | None = None, restrictions: list[dict] | None = None) -> dict:

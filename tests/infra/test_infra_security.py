@@ -8,10 +8,10 @@ from functools import cache
 
 import pytest
 
-from components.cluster import node_role_name
-from components.settings import load
-from components.tags import taggable
-from components.vm_security import vm_security
+from components.resources.identity import node_role_name
+from components.resources.tags import taggable
+from components.settings.schema import load
+from components.settings.vm_security import vm_security
 from tiered_ops import mockrun
 
 from .conftest import SSH_KEY, Plan

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components import settings
+from components.settings import azure, schema
 from tiered_ops import mockrun
 from tiered_ops.mockrun import stack_config
 
@@ -73,8 +73,8 @@ BAD = [
 @pytest.mark.parametrize(("case", "stack", "over", "expect"), BAD, ids=[b[0] for b in BAD])
 def test_bad_config_is_refused_with_key_value_and_fix(case: str, stack: str, over: dict[str, str], expect: list[str]) -> None:
     raw = stack_config(stack, {"sshPublicKey": SSH_KEY, **over})
-    with pytest.raises(settings.SettingsError) as err:
-        settings.load(raw, stack)
+    with pytest.raises(schema.SettingsError) as err:
+        schema.load(raw, stack)
     msg = str(err.value)
     assert "\n" not in msg
     for fragment in expect:
@@ -85,8 +85,8 @@ def test_bad_config_is_refused_with_key_value_and_fix(case: str, stack: str, ove
 def test_every_problem_is_reported_at_once_one_line_each() -> None:
     bad = {"access": "public-ip", "sshSourcePrefix": "0.0.0.0/0", "clusterMode": "k8s", "loginVmSize": "Standard_B1s",
            "nodeCount": "eight", "zone": "4", "nodecount": "3"}
-    with pytest.raises(settings.SettingsError) as err:
-        settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY, **bad}), "prod")
+    with pytest.raises(schema.SettingsError) as err:
+        schema.load(stack_config("prod", {"sshPublicKey": SSH_KEY, **bad}), "prod")
     lines = str(err.value).splitlines()
     assert lines == list(err.value.problems)
     named = sorted(line.split(":")[1] for line in lines)
@@ -101,14 +101,14 @@ def test_every_problem_is_reported_at_once_one_line_each() -> None:
     {"access": "none", "bastionSubnetCidr": "nonsense"},      # no Bastion: its subnet is not used
 ])
 def test_mode_specific_settings_are_checked_only_when_used(over: dict[str, str]) -> None:
-    settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY, **over}), "prod")
+    schema.load(stack_config("prod", {"sshPublicKey": SSH_KEY, **over}), "prod")
 
 
 @pytest.mark.timeout(30)
 def test_stack_name_that_breaks_the_amlfs_name_pattern_is_refused() -> None:
     raw = stack_config("prod", {"sshPublicKey": SSH_KEY})
-    with pytest.raises(settings.SettingsError, match=r"stack name 'x{70}'.*does not match the API pattern"):
-        settings.load(raw, "x" * 70)
+    with pytest.raises(schema.SettingsError, match=r"stack name 'x{70}'.*does not match the API pattern"):
+        schema.load(raw, "x" * 70)
 
 
 @pytest.mark.timeout(30)
@@ -119,22 +119,22 @@ def test_stack_name_that_breaks_the_amlfs_name_pattern_is_refused() -> None:
     {"computeEnabled": "false", "sshPublicKey": "", "vmSize": "Standard_D4s_v5"},   # compute-only keys not needed when off
 ])
 def test_explicit_overrides_and_valid_variants_pass(over: dict[str, str]) -> None:
-    settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY, **over}), "prod")
+    schema.load(stack_config("prod", {"sshPublicKey": SSH_KEY, **over}), "prod")
 
 
 @pytest.mark.timeout(30)
 def test_pulumi_yaml_config_is_generated_from_the_schema_and_not_stale() -> None:
     project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())
-    assert project["name"] == settings.NAMESPACE
+    assert project["name"] == schema.NAMESPACE
     assert project["stackConfigDir"] == "stacks"
     assert project["runtime"]["name"] == "python" and project["runtime"]["options"]["virtualenv"] == ".venv"
-    # The config block is generated from the schema: a key changed in components/settings.py without
+    # The config block is generated from the schema: a key changed in components/settings/schema.py without
     # `python -m components.settings --pulumi-yaml` leaves Pulumi.yaml stale, and this fails.
     text = (ROOT / "Pulumi.yaml").read_text()
-    assert settings.pulumi_yaml(text) == text, "Pulumi.yaml is stale: run python -m components.settings --pulumi-yaml"
+    assert schema.pulumi_yaml(text) == text, "Pulumi.yaml is stale: run python -m components.settings --pulumi-yaml"
     declared = project["config"]
-    assert list(declared) == [k.name for k in settings.SCHEMA]
-    assert all(set(declared[k.name]) == {"type", "default", "description"} for k in settings.SCHEMA)
+    assert list(declared) == [k.name for k in schema.SCHEMA]
+    assert all(set(declared[k.name]) == {"type", "default", "description"} for k in schema.SCHEMA)
 
 
 @pytest.mark.timeout(30)
@@ -142,9 +142,9 @@ def test_every_settings_field_is_a_declared_key() -> None:
     """One declaration per key: a Settings field added without key(...) is not a stack setting."""
     from dataclasses import fields
 
-    assert [f.name for f in fields(settings.Settings) if f.name != "stack"] == [k.field for k in settings.SCHEMA]
-    s = settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY}), "prod")
-    assert s.sku is settings.SKUS["AMLFS-Durable-Premium-500"] and s.data_mover_gbps == 7.5
+    assert [f.name for f in fields(schema.Settings) if f.name != "stack"] == [k.field for k in schema.SCHEMA]
+    s = schema.load(stack_config("prod", {"sshPublicKey": SSH_KEY}), "prod")
+    assert s.sku is azure.SKUS["AMLFS-Durable-Premium-500"] and s.data_mover_gbps == 7.5
 
 
 @pytest.mark.timeout(30)
@@ -153,7 +153,7 @@ def test_stack_files_use_only_declared_keys(stack: str) -> None:
     data = yaml.safe_load((ROOT / "stacks" / f"Pulumi.{stack}.yaml").read_text())
     for key in data["config"]:
         ns, name = key.split(":", 1)
-        assert ns == "tiered" and name in settings.SCHEMA_BY_NAME, key
+        assert ns == "tiered" and name in schema.SCHEMA_BY_NAME, key
 
 
 @pytest.mark.timeout(60)

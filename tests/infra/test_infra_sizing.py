@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from components import settings, sizing, subnets
+from components.settings import schema, sizing, subnets
 from tiered_ops.mockrun import stack_config
 
 from .conftest import SSH_KEY
@@ -11,8 +11,8 @@ from .conftest import SSH_KEY
 pytestmark = pytest.mark.timeout(30)
 
 
-def load(stack: str, **over: object) -> settings.Settings:
-    return settings.load(stack_config(stack, {"sshPublicKey": SSH_KEY, **{k: str(v) for k, v in over.items()}}), stack)
+def load(stack: str, **over: object) -> schema.Settings:
+    return schema.load(stack_config(stack, {"sshPublicKey": SSH_KEY, **{k: str(v) for k, v in over.items()}}), stack)
 
 
 def test_prod_reproduces_the_seed_numbers() -> None:
@@ -38,7 +38,7 @@ def test_archive_rate_is_configurable() -> None:
 
 
 def test_interval_shorter_than_archive_is_refused_unless_allowed() -> None:
-    with pytest.raises(settings.SettingsError, match=r"tiered:checkpointIntervalSeconds: 60 .*131 s.*allowArchiveBacklog"):
+    with pytest.raises(schema.SettingsError, match=r"tiered:checkpointIntervalSeconds: 60 .*131 s.*allowArchiveBacklog"):
         load("prod", checkpointIntervalSeconds=60)
     z = sizing.compute(load("prod", checkpointIntervalSeconds=60, allowArchiveBacklog="true"))
     assert not z.archive_keeps_up
@@ -48,7 +48,7 @@ def test_interval_shorter_than_archive_is_refused_unless_allowed() -> None:
 def test_resident_set_must_fit_the_file_system() -> None:
     z = sizing.compute(load("dev"))
     assert z.resident_tib == pytest.approx(z.resident_checkpoints * 105 / 1024)
-    with pytest.raises(settings.SettingsError, match=r"tiered:capacityTiB: 4 cannot hold the resident retention set"):
+    with pytest.raises(schema.SettingsError, match=r"tiered:capacityTiB: 4 cannot hold the resident retention set"):
         load("dev", checkpointSizeGiB=1500, checkpointIntervalSeconds=3600)
 
 
@@ -71,20 +71,16 @@ def test_the_memory_tier_is_sized_against_the_nodes_ram() -> None:
     assert z.vm_ram_gib == 1900 and z.memory_fits                   # ND H100 v5: /dev/shm is half of it
     assert dict(sizing.report(z))["memory tier per node"].startswith("456 GiB tmpfs = 2 x 2 copies of a 114 GiB node share")
     assert dict(sizing.report(sizing.compute(load("prod"))))["memory tier per node"] == "off (tiered:memoryKeep 0)"
-    with pytest.raises(settings.SettingsError, match=r"tiered:memoryKeep: 5 needs a 1140 GiB tmpfs per node .*1900 GiB"):
+    with pytest.raises(schema.SettingsError, match=r"tiered:memoryKeep: 5 needs a 1140 GiB tmpfs per node .*1900 GiB"):
         load("prod", memoryKeep=5)
 
 
 def test_the_node_config_carries_the_memory_tier_when_it_is_on() -> None:
-    from components import cloud_init
+    from components.node.config import node_config
 
-    n = cloud_init.NodeInputs(mgs_address="10.0.0.4@tcp", account_url="https://a.blob.core.windows.net", data_container="c",
-                              blob_prefix="checkpoints", lustre_root="/lustrefs/checkpoints", model="m", nodes=8,
-                              identity_client_id="id", subscription_id="s", resource_group="g", filesystem="f",
-                              autoexport_job="j", provisioned_gbps=64.0, keep_last=3, keep_every_steps=0, min_keep=2,
-                              action="release", schedule="*:0/15", tools_url="https://t/c/b", tools_sha256="0" * 64,
-                              memory_keep=2, memory_budget_bytes=456 << 30)
-    cfg = cloud_init.node_config(n)
+    outputs = dict(account_url="https://a.blob.core.windows.net/", container="c", identity_client_id="id", subscription_id="s",
+                   resource_group="g", filesystem="f", autoexport_job="j", provisioned_gbps=64.0)
+    cfg = node_config(load("prod", memoryKeep=2), **outputs)
     assert (cfg.memory.dir, cfg.memory.keep, cfg.memory.budget_bytes) == ("/dev/shm/tiered-ckpt", 2, 456 << 30)
-    off = cloud_init.node_config(cloud_init.NodeInputs(**{**n.__dict__, "memory_keep": 0}))
+    off = node_config(load("prod"), **outputs)
     assert off.memory.dir is None

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from components import oncalendar, settings
+from components.settings import oncalendar, schema
 from tiered_ops.mockrun import stack_config
 
 from .conftest import SSH_KEY, Plan
@@ -35,8 +35,8 @@ def test_schedule_validator_agrees_with_systemd(spec: str) -> None:
 
 
 def _refused(stack: str, **over: str) -> str:
-    with pytest.raises(settings.SettingsError) as err:
-        settings.load(stack_config(stack, {"sshPublicKey": SSH_KEY, **over}), stack)
+    with pytest.raises(schema.SettingsError) as err:
+        schema.load(stack_config(stack, {"sshPublicKey": SSH_KEY, **over}), stack)
     return str(err.value)
 
 
@@ -44,7 +44,7 @@ def test_a_bad_schedule_is_refused_with_what_is_wrong_and_how_to_check() -> None
     msg = _refused("dev", retentionSchedule="*:0/0")
     assert "tiered:retentionSchedule" in msg and "'*:0/0'" in msg and "systemd-analyze calendar" in msg
     assert "\n" not in msg
-    settings.load(stack_config("dev", {"sshPublicKey": SSH_KEY, "retentionSchedule": "Mon..Fri 02:00"}), "dev")
+    schema.load(stack_config("dev", {"sshPublicKey": SSH_KEY, "retentionSchedule": "Mon..Fri 02:00"}), "dev")
 
 
 @pytest.mark.parametrize(("prefix", "sibling"), [("/w", "work"), ("/work", "work"), ("/work/ckpt", "work"),
@@ -56,7 +56,7 @@ def test_a_checkpoint_prefix_that_also_matches_a_sibling_is_refused(prefix: str,
 
 @pytest.mark.parametrize("prefix", ["/checkpoints", "/ckpt/llama", "/runs"])
 def test_prefixes_no_sibling_starts_with_pass(prefix: str) -> None:
-    s = settings.load(stack_config("prod", {"sshPublicKey": SSH_KEY, "checkpointPrefix": prefix}), "prod")
+    s = schema.load(stack_config("prod", {"sshPublicKey": SSH_KEY, "checkpointPrefix": prefix}), "prod")
     assert s.blob_prefix == prefix.strip("/")
 
 

@@ -2,7 +2,7 @@
 
 The state vocabulary of the three blob-integration jobs, the target they run on, and the plain
 records the ARM client (tiered_ckpt.tiers.arm) returns. No Azure SDK import here: the Pulumi
-program (components/blob_jobs.py) and the operator's teardown read the same state names.
+program (components/resources/blob_jobs.py) and the operator's teardown read the same state names.
 
 The state names are the wire values of the Microsoft.StorageCache REST API, spec file
 specification/storagecache/resource-manager/Microsoft.StorageCache/stable/<version>/amlfilesystem.json

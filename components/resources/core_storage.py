@@ -13,15 +13,11 @@ from dataclasses import dataclass, field
 
 import pulumi
 import pulumiverse_time
-from pulumi_azure_native import authorization, resources, storage
+from pulumi_azure_native import resources, storage
 
-from .settings import Settings
+from components.settings.schema import Settings
 
-# Built-in role definition GUIDs, the same in every tenant (Azure docs: "Azure built-in roles",
-# https://learn.microsoft.com/azure/role-based-access-control/built-in-roles).
-STORAGE_ACCOUNT_CONTRIBUTOR = "17d1049b-9a84-46fb-8f53-869881c3d3ab"
-STORAGE_BLOB_DATA_CONTRIBUTOR = "ba92f5b4-2d11-453d-a403-e96b0029c9fe"
-STORAGE_BLOB_DATA_READER = "2a2b9908-6ea1-4ae2-8e65-a410df84e7d1"
+from . import identity
 
 DATA_CONTAINER = "checkpoints"
 LOGGING_CONTAINER = "amlfs-logs"
@@ -35,11 +31,6 @@ def account_name(settings: Settings, subscription_id: pulumi.Input[str], kind: s
     stem = (settings.name_prefix + re.sub(r"[^a-z0-9]", "", settings.stack.lower()))[:14]
     return pulumi.Output.from_input(subscription_id).apply(
         lambda sub: f"{stem}{kind}{hashlib.sha256(f'{sub}/{settings.stack}/{kind}'.encode()).hexdigest()[:8]}")
-
-
-def role_definition_id(subscription_id: pulumi.Input[str], guid: str) -> pulumi.Output[str]:
-    """Full resource ID of a built-in role: ARM rejects a bare GUID in roleDefinitionId."""
-    return pulumi.Output.concat("/subscriptions/", subscription_id, "/providers/Microsoft.Authorization/roleDefinitions/", guid)
 
 
 @dataclass
@@ -138,18 +129,9 @@ class CoreStorage(pulumi.ComponentResource):
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[data]),
             )
 
-        # The HPC Cache Resource Provider (AMLFS's data mover) needs both roles on the account, not wider.
-        grants = [
-            authorization.RoleAssignment(
-                f"{name}-rp-{short}",
-                principal_id=args.rp_principal_id,
-                principal_type=authorization.PrincipalType.SERVICE_PRINCIPAL,
-                role_definition_id=role_definition_id(args.subscription_id, guid),
-                scope=account.id,
-                opts=child,
-            )
-            for short, guid in (("account-contributor", STORAGE_ACCOUNT_CONTRIBUTOR), ("blob-data-contributor", STORAGE_BLOB_DATA_CONTRIBUTOR))
-        ]
+        # AMLFS's data mover needs its roles on the account (components/resources/identity.py).
+        grants = identity.resource_provider_grants(name, principal_id=args.rp_principal_id, subscription_id=args.subscription_id,
+                                                   account_id=account.id, opts=child)
         # Role assignments take up to 5 minutes to apply; a file system created earlier fails with
         # "container not found or inaccessible". Everything that creates a file system depends on this.
         self.grants_ready = pulumiverse_time.Sleep(f"{name}-role-propagation", create_duration=s.role_wait_duration,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pulumi
 from pulumi_azure_native import network
 
-from .settings import Settings
+from components.settings.schema import Settings
 
 
 @dataclass

@@ -7,7 +7,7 @@ back" path (compute side on again over an existing archive) that import re-creat
 checkpoint as released stubs and can take a long time, so `pulumi up` would fail without this wait.
 The AutoExportJob depends on this resource, so `pulumi up` succeeds without manual retries.
 
-It authenticates like the azure-native provider (components/arm_auth.py: stack config, then ARM_*
+It authenticates like the azure-native provider (components/resources/arm_auth.py: stack config, then ARM_*
 variables), not with whatever DefaultAzureCredential finds; and ArmCredentialCheck, created before
 the file system, proves that credential can read file systems in the resource group, so a CI run
 with unusable credentials fails before anything is created instead of after the file system.
@@ -25,9 +25,10 @@ from typing import Any
 import pulumi
 import pulumi.dynamic
 
+from components.settings import regions
 from tiered_ckpt.tiers.arm_model import ARCHIVE_BUSY, IMPORT_BUSY
 
-from . import arm_auth, regions
+from . import arm_auth
 from .arm_auth import ArmAuth
 
 
@@ -119,10 +120,10 @@ def program_auth() -> ArmAuth:
 
 class ArmCredentialCheckProvider(pulumi.dynamic.ResourceProvider):
     """Lists the resource group's file systems with the program's credential, and the subscription's
-    StorageCache SKUs to prove the region offers the AMLFS SKU and zone (components/regions.py): a failure
+    StorageCache SKUs to prove the region offers the AMLFS SKU and zone (components/settings/regions.py): a failure
     stops `pulumi up` before the file system (AmlFilesystem depends on this) with a message naming the fix."""
 
-    # components/regions.py's pure checks, copied onto the class so that they travel with the pickled provider.
+    # components/settings/regions.py's pure checks, copied onto the class so that they travel with the pickled provider.
     region_problem = staticmethod(regions.region_problem)
     offering_locations = staticmethod(regions.offering_locations)
     provider_entries = staticmethod(regions.provider_entries)

@@ -18,7 +18,22 @@ from tiered_ckpt.config import RetentionConfig, section_problems
 from tiered_ckpt.errors import UserError
 from tiered_ckpt.lifecycle.archive_retention import JOURNAL_PREFIX
 
-from . import cloud_init, oncalendar, sizing, subnets, vm_security
+from . import oncalendar, sizing, subnets, vm_security
+from .azure import (
+    AMLFS_NAME,
+    BASTION_MIN_PREFIX,
+    LOGIN_VM_SIZES,
+    MAX_NODES,
+    ND_ETHERNET_GBITS,
+    ND_RAM_GIB,
+    NID,
+    NON_PUBLIC,
+    SKUS,
+    SQUASH_MODES,
+    STORAGE_SKUS,
+    TIME_OF_DAY,
+    Sku,
+)
 
 NAMESPACE = "tiered"
 
@@ -37,58 +52,16 @@ class SettingsError(UserError):
         return cls("\n".join(lines), lines)
 
 
-@dataclass(frozen=True)
-class Sku:
-    name: str
-    mbps_per_tib: int
-    min_tib: int
-    step_tib: int
-    default_max_tib: int
-
-
-# The four AMLFS SKUs (Azure docs, "Azure Managed Lustre file system sizes" / amlfs-overview). Capacity is rounded up by the service, so we demand exact steps.
-SKUS: dict[str, Sku] = {
-    s.name: s
-    for s in (
-        Sku("AMLFS-Durable-Premium-40", 40, 48, 48, 768),
-        Sku("AMLFS-Durable-Premium-125", 125, 16, 16, 128),
-        Sku("AMLFS-Durable-Premium-250", 250, 8, 8, 128),
-        Sku("AMLFS-Durable-Premium-500", 500, 4, 4, 128),
-    )
-}
-
-# Per-node Ethernet of ND sizes (Lustre runs over Ethernet, `<mgs>@tcp`, not InfiniBand).
-ND_ETHERNET_GBITS: dict[str, int] = {
-    "Standard_ND96isr_H100_v5": 80,
-    "Standard_ND96isr_H200_v5": 80,
-    "Standard_ND96amsr_A100_v4": 24,
-    "Standard_ND96asr_v4": 24,
-}
-
-# Host RAM per ND size in GiB (Microsoft's size pages, e.g. learn.microsoft.com/azure/virtual-machines/sizes/
-# gpu-accelerated/nd-h100-v5-series and nd-h200-v5-series; ND A100 v4 and NDm A100 v4 pages): what the memory
-# tier's tmpfs is checked against.
-ND_RAM_GIB: dict[str, int] = {
-    "Standard_ND96isr_H100_v5": 1900,
-    "Standard_ND96isr_H200_v5": 1850,
-    "Standard_ND96amsr_A100_v4": 1900,
-    "Standard_ND96asr_v4": 900,
-}
 # The memory tier lives in /dev/shm, a tmpfs the kernel sizes at half the RAM by default (tmpfs(5):
 # "size ... The default is half of your physical RAM"); the other half is the training processes'.
 MEMORY_TIER_RAM_FRACTION = sizing.MEMORY_RAM_FRACTION
 
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
-SQUASH_MODES = ("None", "RootOnly", "All")
 _RETENTION = RetentionConfig()
 # stack key -> the node config's retention setting it becomes
 RETENTION_KEYS = {"retentionKeepLast": "keep_last", "retentionKeepEverySteps": "keep_every_steps",
                   "retentionMinKeep": "min_keep", "retentionAction": "action"}
-STORAGE_SKUS = ("Standard_LRS", "Standard_GRS", "Standard_RAGRS", "Standard_ZRS", "Standard_GZRS", "Standard_RAGZRS")
 
-# Patterns from the ARM API specs (storagecache amlfs.json for AMLFS names and the maintenance time).
-AMLFS_NAME = re.compile(r"^[0-9a-zA-Z][-0-9a-zA-Z_]{0,78}[0-9a-zA-Z]$")
-TIME_OF_DAY = re.compile(r"^([0-9]|0[0-9]|1[0-9]|2[0-3]):[0-5][0-9]$")
 NAME_PREFIX = re.compile(r"^[a-z][a-z0-9]{1,9}$")
 GO_DURATION = re.compile(r"^(\d+h)?(\d+m)?(\d+s)?$")
 SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\.com) AAAA[0-9A-Za-z+/=]+( .*)?$")
@@ -99,28 +72,9 @@ CLUSTER_MODES = ("slurm", "none")
 ACCESS_MODES = ("bastion", "public-ip", "none")
 # Sources that would open SSH to every address on the internet.
 OPEN_PREFIXES = ("0.0.0.0/0", "0.0.0.0", "::/0")
-# One InfiniBand placement group holds at most 100 VMs (ND scale sets keep a single placement group).
-MAX_NODES = 100
-# Azure Bastion needs a subnet named AzureBastionSubnet of /26 or larger (Bastion configuration settings).
-BASTION_MIN_PREFIX = 26
-# The login/controller VM runs slurmctld, sbatch and retention, nothing heavy: general-purpose sizes with
-# premium disks and accelerated networking (Azure docs, Dv5/Ddv5/Dasv5/Esv5 series).
-LOGIN_VM_SIZES = (
-    "Standard_D4s_v5", "Standard_D8s_v5", "Standard_D16s_v5", "Standard_D4ds_v5", "Standard_D8ds_v5", "Standard_D16ds_v5",
-    "Standard_D4as_v5", "Standard_D8as_v5", "Standard_D16as_v5", "Standard_E4s_v5", "Standard_E8s_v5", "Standard_E16s_v5",
-)
-# Trusted Launch per size and what each VM gets: components/vm_security.py (sizes with their source).
+# Trusted Launch per size and what each VM gets: components/settings/vm_security.py (sizes with their source).
 TRUSTED_LAUNCH_MODES = vm_security.MODES
-# A Lustre NID list as AMLFS's noSquashNidLists takes it (root squash doc: "10.0.2.4@tcp;10.0.2.[6-8]@tcp"):
-# ';'-separated NIDs, each octet a number or a [lo-hi] range, on the tcp network.
-_NID_OCTET = r"(?:\d{1,3}|\[\d{1,3}-\d{1,3}\])"
-NID = re.compile(rf"^{_NID_OCTET}(?:\.{_NID_OCTET}){{3}}@tcp\d*$")
-# Azure Storage IP network rules: public IPv4 only; /31 and /32 are given as a bare address (Azure Storage
-# firewall docs, "Grant access from an internet IP range").
-STORAGE_IP_RULE_MAX_PREFIX = 30
-# ...and no private (RFC 1918), loopback, link-local or unspecified ranges.
-NON_PUBLIC = tuple(ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "0.0.0.0/8"))
-# The toolkit's own service account/group (components/cloud_init.py creates it): never a training group.
+# The toolkit's own service account/group (components/node/cloud_init.py creates it): never a training group.
 SERVICE_GROUP = "tiered-ckpt"
 RESERVED_NAMES = ("root", "admin", "slurm", "munge", SERVICE_GROUP)
 
@@ -270,7 +224,7 @@ class Settings:
 
     @property
     def node_security(self) -> vm_security.VmSecurity:
-        """The ND nodes' security profile and boot path (components/vm_security.py)."""
+        """The ND nodes' security profile and boot path (components/settings/vm_security.py)."""
         return vm_security.vm_security(self.vm_size, self.trusted_launch)
 
     @property
@@ -396,7 +350,9 @@ def _check_storage(s: dict[str, Any]) -> Problems:
 # and no AMLFS doc or spec says a trailing '/' is accepted, so `/checkpoints` would also import and
 # export `checkpoints2/...`. The program therefore refuses a prefix that is a string prefix of any of
 # these names (docs/deploy.md asks operators to create no sibling such as /lustrefs/checkpoints-old).
-SIBLINGS = (cloud_init.WORK_DIR, cloud_init.SLURM_DIR, JOURNAL_PREFIX)
+WORK_DIR = "work"          # /lustrefs/work: shared by the login VM and every node
+SLURM_DIR = ".slurm"       # /lustrefs/.slurm: slurmctld's state (survives a replaced login VM)
+SIBLINGS = (WORK_DIR, SLURM_DIR, JOURNAL_PREFIX)
 
 
 def _check_siblings(blob_prefix: str) -> Problems:
@@ -704,7 +660,7 @@ def check_sizing(s: Settings) -> sizing.Sizing:
 PULUMI_YAML_CONFIG_HEADER = (
     "# Every setting of the program (namespace `tiered:`); any stack file overrides any key, e.g.\n"
     "#   pulumi config set tiered:nodeCount 4 --stack prod\n"
-    "# Generated from components/settings.py (python -m components.settings --pulumi-yaml); do not edit.\n"
+    "# Generated from components/settings/schema.py (python -m components.settings --pulumi-yaml); do not edit.\n"
 )
 
 
@@ -724,14 +680,3 @@ def pulumi_yaml(current: str) -> str:
     while start > 0 and lines[start - 1].startswith("#"):
         start -= 1
     return "".join(lines[:start]) + pulumi_yaml_config()
-
-
-if __name__ == "__main__":
-    import sys
-    from pathlib import Path
-
-    if sys.argv[1:] != ["--pulumi-yaml"]:
-        sys.exit("usage: python -m components.settings --pulumi-yaml   (rewrites Pulumi.yaml's config block)")
-    target = Path(__file__).resolve().parents[1] / "Pulumi.yaml"
-    target.write_text(pulumi_yaml(target.read_text()))
-    print(f"wrote {target}")

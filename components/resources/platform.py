@@ -14,13 +14,15 @@ import pulumi
 import pulumi_azuread as azuread
 from pulumi_azure_native import authorization, resources
 
-from . import cloud_init, sizing
+from components.node import toolkit
+from components.settings import sizing
+from components.settings.schema import Settings
+
 from .accelerator import Accelerator, AcceleratorArgs
 from .access import Bastion, BastionArgs
 from .cluster import Cluster, ClusterArgs
 from .core_storage import CoreStorage, CoreStorageArgs
 from .network import Network, NetworkArgs
-from .settings import Settings
 from .tags import stack_tags, tagging
 
 # appId of "HPC Cache Resource Provider" (same in every tenant; its object ID differs per tenant).
@@ -73,7 +75,7 @@ class Platform(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: PlatformArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         s = args.settings
-        # stack/project/owner tags on every taggable Azure resource below (components/tags.py).
+        # stack/project/owner tags on every taggable Azure resource below (components/resources/tags.py).
         tagged = pulumi.ResourceOptions(transformations=[tagging(stack_tags(s, pulumi.get_project()))])
         super().__init__("tiered:platform:Platform", name, None, pulumi.ResourceOptions.merge(opts, tagged))
         invoke = pulumi.InvokeOutputOptions(parent=self)
@@ -119,7 +121,7 @@ class Platform(pulumi.ComponentResource):
                 subnet_id=network.amlfs_subnet_id, data_container_id=core.data_container_id,
                 logging_container_id=core.logging_container_id, grants_ready=core.grants_ready),
                 opts=pulumi.ResourceOptions(parent=self))
-            toolkit = cloud_init.build_toolkit(args.repo_root, args.build_dir)
+            tarball = toolkit.build_toolkit(args.repo_root, args.build_dir)
             bastion: Bastion | None = None
             if network.bastion_subnet_id is not None:
                 bastion = Bastion(f"{name}-bastion", BastionArgs(settings=s, resource_group_name=compute_rg.name,
@@ -131,7 +133,7 @@ class Platform(pulumi.ComponentResource):
                 archive_blob_endpoint=core.blob_endpoint, data_container_name=core.data_container_name,
                 data_container_id=core.data_container_id, filesystem_id=acc.filesystem_id,
                 filesystem_name=acc.filesystem_name, autoexport_job_name=acc.autoexport_job_name,
-                mgs_address=acc.mgs_address, provisioned_gbps=acc.provisioned_gbps, toolkit=toolkit,
+                mgs_address=acc.mgs_address, provisioned_gbps=acc.provisioned_gbps, toolkit=tarball,
                 tenant_id=client.tenant_id, bastion_name=bastion.host_name if bastion else None),
                 opts=pulumi.ResourceOptions(parent=self))
             out.update({

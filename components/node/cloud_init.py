@@ -8,7 +8,7 @@ invoking the bootstrap. No script text is generated or substituted here.
 
 Nothing here talks to Azure; the Pulumi cluster component feeds resolved values in through
 Output.all(...).apply. The custom data carries no secret: the toolkit is fetched from a private blob
-with the node's managed identity (IMDS token), and its sha256 (below) is checked before install.
+with the node's managed identity (IMDS token), and its sha256 (components/node/toolkit.py) is checked before install.
 
 Why the toolkit is not embedded: Azure limits custom data to 64 KiB; the toolkit's source will grow
 to 150-250 KB, which even gzip+base64 would push over the limit.
@@ -16,19 +16,15 @@ to 150-250 KB, which even gzip+base64 would push over the limit.
 from __future__ import annotations
 
 import base64
-import gzip
-import hashlib
-import io
-import os
 import shlex
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from components.settings.schema import WORK_DIR
 from tiered_ckpt import records
-from tiered_ckpt.config import AmlfsConfig, ArchiveConfig, MemoryConfig, NodeConfig, RetentionConfig, dump, validate
+from tiered_ckpt.config import NodeConfig, dump
 
 from . import node_lock, slurm_conf
 
@@ -52,8 +48,6 @@ SERVICE_ID = 2742
 TRAINING_GID = 2743
 TRAINING_UID = 2744
 ROLE_NODE, ROLE_LOGIN, ROLE_BYO = "node", "login", "byo"
-WORK_DIR = "work"          # /lustrefs/work: shared by the login VM and every node
-SLURM_DIR = ".slurm"       # /lustrefs/.slurm: slurmctld's state (survives a replaced login VM)
 BOOTSTRAP = "/usr/local/sbin/tiered-ckpt-bootstrap"
 BOOT_LIB = "/usr/local/lib/tiered-ckpt/boot-common.sh"    # scripts/lib/boot-common.sh (the bootstraps source it)
 BOOT_ENV = "/etc/tiered-ckpt/boot.env"                    # the settings of the scripts on this VM
@@ -68,19 +62,12 @@ MUNGE_KEY = "/etc/munge/munge.key"
 # IMDS: tokens for the VM's user-assigned identities without a stored secret, and Scheduled Events.
 IMDS = "http://169.254.169.254"
 # The boot's files in this repository (the layout: Pulumi.yaml, __main__.py, components, stacks, scripts, tests).
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 # Secure Boot of the VM as the deployment sets it, and the Lustre client path (scripts/lib/boot-common.sh:
 # the signed kmod under Secure Boot, the image's DKMS client otherwise). The boot reads the real state with
 # `mokutil --sb-state`; this value decides only where that cannot tell ("unknown" counts as on).
 SECURE_BOOT_STATES = ("on", "off", "unknown")
 LUSTRE_CLIENTS = ("auto", "kmod", "dkms")
-
-
-@dataclass(frozen=True)
-class Toolkit:
-    path: Path          # the built tarball
-    sha256: str
-    blob_name: str
 
 
 @dataclass(frozen=True)
@@ -96,30 +83,14 @@ class SlurmInputs:
 
 @dataclass(frozen=True)
 class NodeInputs:
-    """Everything the node needs; all plain values (resolved Outputs)."""
+    """Everything the VM receives; all plain values (resolved Outputs). The toolkit's settings are `config`
+    (components/node/config.py builds it); the rest is what only the boot reads."""
 
+    config: NodeConfig      # written as /etc/tiered-ckpt/config.yaml
     mgs_address: str
-    account_url: str
-    data_container: str
-    blob_prefix: str
-    lustre_root: str
-    model: str
-    nodes: int
-    identity_client_id: str
-    subscription_id: str
-    resource_group: str
-    filesystem: str
-    autoexport_job: str
-    provisioned_gbps: float
-    keep_last: int
-    keep_every_steps: int
-    min_keep: int
-    action: str
-    schedule: str
+    schedule: str           # the retention timer's OnCalendar
     tools_url: str      # https://<tools account>.blob.core.windows.net/<container>/<blob>
     tools_sha256: str
-    memory_keep: int = 0            # the memory tier (0: off): copies per rank in node RAM
-    memory_budget_bytes: int = 0    # bytes this node's memory tier may hold (keep x 2 x its share)
     role: str = ROLE_NODE           # ROLE_NODE (ND node, slurmd), ROLE_LOGIN (slurmctld, retention), ROLE_BYO
     admin_user: str = "azureuser"
     training_user: str = "azureuser"
@@ -129,7 +100,7 @@ class NodeInputs:
     slurm: SlurmInputs | None = None
     secure_boot: str = "unknown"    # SECURE_BOOT_STATES: this VM's securityProfile
     lustre_client: str = "auto"     # LUSTRE_CLIENTS
-    # components/vm_security.py's VmSecurity.boot_env() for a VM of ours (it wins over the two fields above)
+    # components/settings/vm_security.py's VmSecurity.boot_env() for a VM of ours (it wins over the two fields above)
     security_env: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -138,63 +109,9 @@ class NodeInputs:
         return self.role in (ROLE_LOGIN, ROLE_BYO)
 
 
-def build_toolkit(repo_root: Path, out_dir: Path) -> Toolkit:
-    """A deterministic tar.gz of pyproject.toml + src/tiered_ckpt (same input -> same bytes -> same hash).
-
-    Only the node toolkit: the operator (tiered_ops) and demo (tiered_demo) packages never reach a node.
-
-    pip installs it on the node with the dependency pins of pyproject.toml, the one place they live.
-    """
-    members: list[tuple[str, Path]] = [("pyproject.toml", repo_root / "pyproject.toml")]
-    pkg = repo_root / "src" / "tiered_ckpt"
-    for p in sorted(pkg.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".typed", ".yaml", ".json", ".txt"):
-            members.append((f"src/tiered_ckpt/{p.relative_to(pkg).as_posix()}", p))
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, path in members:
-            data = path.read_bytes()
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(data), 0, 0o644
-            info.uid = info.gid = 0
-            info.uname = info.gname = "root"
-            tar.addfile(info, io.BytesIO(data))
-    blob = gzip.compress(raw.getvalue(), compresslevel=9, mtime=0)
-    sha = hashlib.sha256(blob).hexdigest()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"tiered-ckpt-{sha[:16]}.tar.gz"
-    if not path.exists() or path.read_bytes() != blob:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
-    for old in out_dir.glob("tiered-ckpt-*.tar.gz"):
-        if old != path:
-            old.unlink(missing_ok=True)   # earlier builds; the Pulumi state keeps only their hashes
-    return Toolkit(path=path, sha256=sha, blob_name=path.name)
-
-
 # The memory tier's directory: in /dev/shm, the tmpfs every Linux node has (half its RAM by default,
 # which `make plan` checks the memory tier against); the toolkit creates it on first use.
 MEMORY_TIER_DIR = "/dev/shm/tiered-ckpt"
-
-
-def node_config(n: NodeInputs) -> NodeConfig:
-    """The toolkit's own config object, validated by the toolkit's own rules."""
-    cfg = NodeConfig(
-        root=n.lustre_root,
-        model=n.model,
-        backend="amlfs",
-        nodes=n.nodes,
-        archive=ArchiveConfig(account_url=n.account_url, container=n.data_container, prefix=n.blob_prefix,
-                              managed_identity_client_id=n.identity_client_id),
-        amlfs=AmlfsConfig(mount=MOUNT, subscription_id=n.subscription_id, resource_group=n.resource_group,
-                          filesystem=n.filesystem, autoexport_job=n.autoexport_job, provisioned_gbps=n.provisioned_gbps),
-        retention=RetentionConfig(keep_last=n.keep_last, keep_every_steps=n.keep_every_steps, min_keep=n.min_keep, action=n.action),
-        memory=MemoryConfig() if not n.memory_keep else
-        MemoryConfig(dir=MEMORY_TIER_DIR, keep=n.memory_keep, budget_bytes=n.memory_budget_bytes),
-    )
-    validate(cfg)
-    return cfg
 
 
 # ND v5 NCCL settings: what Microsoft's HPC image writes to /etc/nccl.conf for NDv5 (Azure/azhpc-images,
@@ -244,22 +161,23 @@ def boot_settings(n: NodeInputs) -> dict[str, str]:
         raise ValueError(f"secure_boot must be one of {SECURE_BOOT_STATES}, got {n.secure_boot!r}")
     if n.lustre_client not in LUSTRE_CLIENTS:
         raise ValueError(f"lustre_client must be one of {LUSTRE_CLIENTS}, got {n.lustre_client!r}")
+    cfg = n.config
     env = {
         "ROLE": n.role, "IMDS": IMDS, "MOUNT": MOUNT, "MGS": n.mgs_address, "FSTAB_OPTIONS": FSTAB_OPTIONS,
         "TIERED_SECURE_BOOT": {"on": "true", "off": "false"}.get(n.secure_boot, "unknown"),
         "TIERED_LUSTRE_CLIENT": n.lustre_client,
         "VENV": VENV, "NODE_REQUIREMENTS": NODE_REQUIREMENTS, "TOOLS_URL": n.tools_url, "TOOLS_SHA256": n.tools_sha256,
-        "IDENTITY_CLIENT_ID": n.identity_client_id,
+        "IDENTITY_CLIENT_ID": cfg.archive.managed_identity_client_id or "",
         "ADMIN_USER": n.admin_user, "TRAINING_USER": n.training_user, "TRAINING_GROUP": n.training_group,
         "TRAINING_UID": str(TRAINING_UID), "TRAINING_GID": str(TRAINING_GID),
         "SERVICE_USER": SERVICE_USER, "SERVICE_ID": str(SERVICE_ID), "WORK_DIR": WORK_DIR,
-        "LUSTRE_ROOT": n.lustre_root, "MODEL": n.model, "RECORDS_DIR": str(records.records_dir(n.lustre_root, n.model)),
+        "LUSTRE_ROOT": cfg.root, "MODEL": cfg.model, "RECORDS_DIR": str(records.records_dir(cfg.root, cfg.model)),
         "RETENTION": "1" if n.role == ROLE_LOGIN else "0",
-        "RETENTION_ACTION": n.action, "RETENTION_SCHEDULE": n.schedule,
+        "RETENTION_ACTION": cfg.retention.action, "RETENTION_SCHEDULE": n.schedule,
         "GPUS_PER_NODE": str(n.gpus_per_node if n.role == ROLE_NODE else 0),
         "SLURM": "0",
         # With the memory tier on, the events watcher writes the job's memory.notice_file first.
-        "MEMORY_NOTICE": MemoryConfig().notice_file if n.memory_keep and n.role == ROLE_NODE else "",
+        "MEMORY_NOTICE": cfg.memory.notice_file if cfg.memory.dir is not None and n.role == ROLE_NODE else "",
     }
     env.update(dict(n.security_env))
     if env["TIERED_LUSTRE_CLIENT"] not in LUSTRE_CLIENTS:
@@ -282,7 +200,7 @@ def boot_settings(n: NodeInputs) -> dict[str, str]:
 
 def render_boot_env(n: NodeInputs) -> str:
     """BOOT_ENV: one KEY='value' per line, shell-quoted (the scripts source it; nothing is substituted)."""
-    return "# tiered-ckpt boot settings (components/cloud_init.py); read by scripts/*\n" + "".join(
+    return "# tiered-ckpt boot settings (components/node/cloud_init.py); read by scripts/*\n" + "".join(
         f"{k}={shlex.quote(v)}\n" for k, v in boot_settings(n).items())
 
 
@@ -341,7 +259,7 @@ def _nccl_profile(n: NodeInputs) -> list[dict[str, str]]:
 
 def files(n: NodeInputs) -> list[dict[str, str]]:
     """Every file the VM gets (cloud-init write_files entries), the bootstrap last."""
-    out = [_file(CONFIG_PATH, dump(node_config(n))),
+    out = [_file(CONFIG_PATH, dump(n.config)),
            _file(NODE_REQUIREMENTS, node_lock.LOCK.read_text()),
            _file(BOOT_ENV, render_boot_env(n)),
            _file(BOOT_LIB, _script("lib/boot-common.sh"))]
@@ -376,7 +294,7 @@ def bootstrap_script(n: NodeInputs) -> str:
 #
 # Each node must: be in the stack's compute subnet (the storage firewall and the AMLFS NSG admit that
 # subnet; see the stack output computeSubnetId), run Ubuntu 22.04/24.04, and carry the user-assigned
-# identity of the stack output nodeIdentityId (client ID {n.identity_client_id}), e.g.
+# identity of the stack output nodeIdentityId (client ID {n.config.archive.managed_identity_client_id}), e.g.
 #   az vmss identity assign -g <cluster rg> -n <scale set> --identities <nodeIdentityId>
 # Run as root on every node:    sudo bash tiered-ckpt-bootstrap.sh
 # and on exactly ONE host (retention runs once per cluster, under its per-model lock):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pulumi
 from pulumi_azure_native import network
 
-from .settings import Settings
+from components.settings.schema import Settings
 
 LUSTRE_PORTS = ["988", "1019-1023"]
 # Azure Bastion requires this exact subnet name (Azure docs, "About Azure Bastion configuration settings").

@@ -7,10 +7,11 @@ from typing import Any
 import pulumi
 from pulumi_azure_native import storagecache
 
+from components.settings.schema import Settings
+
 from .arm_auth import ArmAuth
 from .blob_jobs import ArmCredentialCheck, WaitForBlobJobs, program_auth
 from .network import trusted_nids
-from .settings import Settings
 
 SQUASH_ID = 65534       # nobody / nogroup
 
@@ -52,7 +53,7 @@ class Accelerator(pulumi.ComponentResource):
                 mode=squash_mode, squash_uid=SQUASH_ID, squash_gid=SQUASH_ID, no_squash_nid_lists=trusted_nids(s))
 
         # The wait below calls ARM itself: prove its credential, and that the region offers the SKU and zone
-        # (components/regions.py: ARM's SKU list is the only authoritative region list), before the file system exists.
+        # (components/settings/regions.py: ARM's SKU list is the only authoritative region list), before the file system exists.
         auth = args.arm_auth or program_auth()
         checked = ArmCredentialCheck(f"{name}-arm-credential", auth=auth, subscription_id=args.subscription_id,
                                      resource_group=args.resource_group_name, location=s.location, sku=s.sku.name,

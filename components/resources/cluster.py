@@ -25,13 +25,18 @@ from typing import Any
 
 import pulumi
 import pulumiverse_time as time
-from pulumi_azure_native import authorization, compute, keyvault, managedidentity, network, storage
+from pulumi_azure_native import compute, keyvault, managedidentity, network, storage
 
-from . import cloud_init, slurm_conf
-from .core_storage import STORAGE_BLOB_DATA_READER, account_name, role_definition_id
+from components.node import cloud_init, slurm_conf
+from components.node.config import node_config
+from components.node.toolkit import Toolkit
+from components.settings.azure import MAX_NODES
+from components.settings.schema import SLURM_DIR, Settings
+from components.settings.vm_security import STANDARD, VmSecurity
+
+from . import identity
+from .core_storage import account_name
 from .network import login_private_ip
-from .settings import MAX_NODES, Settings
-from .vm_security import STANDARD, VmSecurity
 
 TOOLS_CONTAINER = "tools"
 # securityType "Standard": not in the SDK's SecurityTypes enum (TrustedLaunch, ConfidentialVM), but the value
@@ -44,28 +49,12 @@ STANDARD_SECURITY_TYPE = STANDARD
 # ND nodes use; on the login VM's general-purpose size those simply stay idle).
 IMAGE = compute.ImageReferenceArgs(publisher="microsoft-dsvm", offer="ubuntu-hpc", sku="2404", version="latest")
 LOGIN_IMAGE = IMAGE
-# Built-in roles (Azure docs, "Azure built-in roles for Security"): read secret values / manage secrets.
-KEY_VAULT_SECRETS_USER = "4633458b-17de-408a-b874-0445c86b69e6"
-KEY_VAULT_SECRETS_OFFICER = "b86a8fe4-44ce-4948-aee5-eccb2c155cd7"
 MUNGE_SECRET = "munge-key"
 # slurmctld state on Lustre: a replaced login VM (new custom data) resumes the queue.
-SLURM_STATE_DIR = f"{cloud_init.MOUNT}/{cloud_init.SLURM_DIR}/slurmctld"
+SLURM_STATE_DIR = f"{cloud_init.MOUNT}/{SLURM_DIR}/slurmctld"
 # Terminate notice the scale set gives each instance (5-15 min; Azure docs, "Terminate notification for
 # Azure Virtual Machine Scale Set instances"): time to drain and unmount Lustre cleanly.
 TERMINATE_NOTICE = "PT10M"
-
-# What `tiered-ckpt restore` and retention do through ARM on the file system, nothing more:
-# read the file system (HSM settings, archive status); create/watch/clean up import jobs for a deleted
-# checkpoint's prefix; read and toggle the auto-export job (one blob job at a time, so an import
-# disables auto-export and re-enables it). No delete of the file system or the auto-export job,
-# no manual archive (teardown runs with the operator's own credentials).
-NODE_ACTIONS = [
-    "Microsoft.StorageCache/amlFilesystems/read",
-    "Microsoft.StorageCache/amlFilesystems/importJobs/read",
-    "Microsoft.StorageCache/amlFilesystems/importJobs/write",
-    "Microsoft.StorageCache/amlFilesystems/autoExportJobs/read",
-    "Microsoft.StorageCache/amlFilesystems/autoExportJobs/write",
-]
 
 
 @dataclass
@@ -83,7 +72,7 @@ class ClusterArgs:
     autoexport_job_name: pulumi.Input[str]
     mgs_address: pulumi.Input[str]
     provisioned_gbps: pulumi.Input[float]
-    toolkit: cloud_init.Toolkit
+    toolkit: Toolkit
     tenant_id: pulumi.Input[str]
     bastion_name: pulumi.Input[str] | None = None    # access bastion: the Bastion host's name
 
@@ -133,33 +122,19 @@ class Cluster(pulumi.ComponentResource):
                             # the tools account and every blob in it.
                             opts=pulumi.ResourceOptions(parent=self, retain_on_delete=True))
 
-        def grant(short: str, scope: pulumi.Input[str], role_id: pulumi.Input[str]) -> authorization.RoleAssignment:
-            return authorization.RoleAssignment(
-                f"{name}-{short}", principal_id=uami.principal_id, principal_type=authorization.PrincipalType.SERVICE_PRINCIPAL,
-                role_definition_id=role_id, scope=scope, opts=child)
+        # Every role and grant: components/resources/identity.py.
+        grants = identity.node_grants(name, s, principal_id=uami.principal_id, subscription_id=args.subscription_id,
+                                      resource_group_id=args.resource_group_id, data_container_id=args.data_container_id,
+                                      tools_container_id=tools_container.id, filesystem_id=args.filesystem_id, opts=child)
 
-        reader = role_definition_id(args.subscription_id, STORAGE_BLOB_DATA_READER)
-        # Blob read on the data container only (restore/verify read the archive; AMLFS writes it).
-        grants = [grant("archive-reader", args.data_container_id, reader),
-                  grant("tools-reader", tools_container.id, reader)]
-        # Custom roles cannot list a single resource as assignable scope, so the definition is assignable in
-        # the compute resource group and assigned at the file system only.
-        role = authorization.RoleDefinition(
-            f"{name}-fs-jobs-role",
-            role_name=pulumi.Output.from_input(args.subscription_id).apply(lambda sub: node_role_name(s, sub)),
-            description="Import jobs and auto-export admin status on one AMLFS file system (tiered-ckpt restore/retention).",
-            role_type="CustomRole",
-            scope=args.resource_group_id,
-            assignable_scopes=[args.resource_group_id],
-            permissions=[authorization.PermissionArgs(actions=NODE_ACTIONS, not_actions=[], data_actions=[], not_data_actions=[])],
-            opts=child)
-        grants.append(grant("fs-jobs", args.filesystem_id, role.id))
-
+        # /etc/tiered-ckpt/config.yaml: components/node/config.py maps settings and these outputs, in one apply.
+        config = pulumi.Output.all(
+            account_url=args.archive_blob_endpoint, container=args.data_container_name, identity_client_id=uami.client_id,
+            subscription_id=args.subscription_id, resource_group=rg, filesystem=args.filesystem_name,
+            autoexport_job=args.autoexport_job_name, provisioned_gbps=args.provisioned_gbps).apply(lambda v: node_config(s, **v))
         inputs = pulumi.Output.all(
-            mgs=args.mgs_address, endpoint=args.archive_blob_endpoint, container=args.data_container_name,
-            client_id=uami.client_id, sub=args.subscription_id, rg=rg, fs=args.filesystem_name, job=args.autoexport_job_name,
-            gbps=args.provisioned_gbps, tools_endpoint=tools.primary_endpoints.apply(lambda e: e.blob),
-            tools_container=tools_container.name, blob_name=blob.name)
+            config=config, mgs=args.mgs_address, client_id=uami.client_id,
+            tools_endpoint=tools.primary_endpoints.apply(lambda e: e.blob), tools_container=tools_container.name, blob_name=blob.name)
         self.identity_id = uami.id
         self.identity_client_id = uami.client_id
         self.identity_principal_id = uami.principal_id
@@ -191,10 +166,10 @@ class Cluster(pulumi.ComponentResource):
                     virtual_network_rules=[keyvault.VirtualNetworkRuleArgs(id=args.subnet_id)])),
             opts=child)
         login_uami = managedidentity.UserAssignedIdentity(f"{name}-login-identity", resource_group_name=rg, location=s.location, opts=child)
-        grants.append(grant("vault-reader", vault.id, role_definition_id(args.subscription_id, KEY_VAULT_SECRETS_USER)))
-        login_grant = authorization.RoleAssignment(
-            f"{name}-vault-officer", principal_id=login_uami.principal_id, principal_type=authorization.PrincipalType.SERVICE_PRINCIPAL,
-            role_definition_id=role_definition_id(args.subscription_id, KEY_VAULT_SECRETS_OFFICER), scope=vault.id, opts=child)
+        grants.append(identity.node_vault_grant(name, principal_id=uami.principal_id, subscription_id=args.subscription_id,
+                                                vault_id=vault.id, opts=child))
+        login_grant = identity.login_vault_grant(name, principal_id=login_uami.principal_id, subscription_id=args.subscription_id,
+                                                 vault_id=vault.id, opts=child)
         vault_url = vault.name.apply(lambda n: f"https://{n}.vault.azure.net")
 
         self.login_host = f"{s.base_name}-login"
@@ -315,14 +290,8 @@ class Cluster(pulumi.ComponentResource):
                                "vault_name": self.vault_name, "ssh_command": self.ssh_command})
 
 
-def node_role_name(s: Settings, subscription_id: str) -> str:
-    """Custom role names are unique per tenant (ARM: RoleDefinitionWithSameNameExists): the name carries a
-    short hash of the subscription, so the same stack in a second subscription of the tenant gets its own."""
-    return f"tiered-ckpt node jobs ({s.base_name}, {s.location}, {hashlib.sha256(subscription_id.lower().encode()).hexdigest()[:8]})"
-
-
 def security_profile(sec: VmSecurity) -> compute.SecurityProfileArgs:
-    """The VM's securityProfile, always explicit (components/vm_security.py decides it): Trusted Launch with
+    """The VM's securityProfile, always explicit (components/settings/vm_security.py decides it): Trusted Launch with
     vTPM and Secure Boot off where the size supports it (the image's DKMS modules are unsigned), else
     `Standard`, stated, so that Azure's move to Trusted Launch by default cannot change it."""
     if sec.trusted_launch:
@@ -332,7 +301,7 @@ def security_profile(sec: VmSecurity) -> compute.SecurityProfileArgs:
 
 
 def boot_security(s: Settings, role: str) -> tuple[tuple[str, str], ...]:
-    """What this VM's boot is told about its security profile: VmSecurity.boot_env() (components/vm_security.py
+    """What this VM's boot is told about its security profile: VmSecurity.boot_env() (components/settings/vm_security.py
     decides it; nothing for a cluster you bring). The boot checks the real state with `mokutil --sb-state`
     and stops with one message if it contradicts this (scripts/lib/boot-common.sh)."""
     if role == cloud_init.ROLE_BYO:
@@ -388,20 +357,15 @@ def node_feature(vm_size: str) -> str:
     return f"ndv{m.group(1)}" if m else "nd"
 
 
-def _node_inputs(s: Settings, toolkit: cloud_init.Toolkit, v: dict[str, Any], *, role: str,
+def _node_inputs(s: Settings, toolkit: Toolkit, v: dict[str, Any], *, role: str,
                  slurm: cloud_init.SlurmInputs | None = None) -> cloud_init.NodeInputs:
+    """What one VM receives: the node config (v["config"], components/node/config.py) and the boot's own inputs."""
     return cloud_init.NodeInputs(
-        role=role, slurm=slurm, admin_user=s.admin_username, training_user=s.training_user, training_group=s.training_group,
+        config=v["config"], role=role, slurm=slurm, admin_user=s.admin_username, training_user=s.training_user,
+        training_group=s.training_group,
         nccl_topo_file=cloud_init.nccl_topo_file(s.vm_size) if role == cloud_init.ROLE_NODE else "",
         security_env=boot_security(s, role),
         gpus_per_node=slurm_conf.ND_GPUS_PER_NODE,
-        mgs_address=v["mgs"], account_url=v["endpoint"].rstrip("/"), data_container=v["container"],
-        blob_prefix=s.blob_prefix, lustre_root=s.lustre_root, model=s.model_name, nodes=s.node_count,
-        identity_client_id=v["client_id"], subscription_id=v["sub"], resource_group=v["rg"], filesystem=v["fs"],
-        autoexport_job=v["job"], provisioned_gbps=float(v["gbps"]), keep_last=s.retention_keep_last,
-        keep_every_steps=s.retention_keep_every_steps, min_keep=s.retention_min_keep, action=s.retention_action,
-        schedule=s.retention_schedule,
-        memory_keep=s.memory_keep,
-        memory_budget_bytes=int(s.memory_keep * 2 * s.checkpoint_size_gib * (1 << 30) // max(1, s.node_count)),
+        mgs_address=v["mgs"], schedule=s.retention_schedule,
         tools_url=f"{v['tools_endpoint'].rstrip('/')}/{v['tools_container']}/{v['blob_name']}",
         tools_sha256=toolkit.sha256)

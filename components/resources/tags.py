@@ -14,7 +14,7 @@ from typing import Any
 
 import pulumi
 
-from .settings import Settings
+from components.settings.schema import Settings
 
 PROVIDER = "azure-native"
 UNASSIGNED_OWNER = "unassigned"

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .settings import SettingsError
+from components.settings.schema import SettingsError
 
 CLIENT_SECRET, CLIENT_CERTIFICATE, OIDC, MSI, DEFAULT = "client-secret", "client-certificate", "oidc", "msi", "default"
 

@@ -223,4 +223,4 @@ def render_slurmd_defaults(i: SlurmConfInputs) -> str:
         if any(c in a for c in "'\"\\$`"):
             raise ValueError(f"slurmd argument {a!r} holds a quote, backslash or $")
         words.append(f'"{a}"' if any(c.isspace() for c in a) else a)
-    return f"# tiered-ckpt: a dynamic node (slurmd -Z) with its GRES and feature (components/slurm_conf.py)\nSLURMD_OPTIONS='{' '.join(words)}'\n"
+    return f"# tiered-ckpt: a dynamic node (slurmd -Z) with its GRES and feature (components/node/slurm_conf.py)\nSLURMD_OPTIONS='{' '.join(words)}'\n"

@@ -97,7 +97,7 @@ def vm_security(size: str, mode: str) -> VmSecurity:
     ARM's TrustedLaunchDisabled for the rest); off: Standard. Secure Boot is off in every case (module
     docstring): the image's modules are DKMS-built."""
     known = TRUSTED_LAUNCH_SUPPORT.get(size)
-    why = f"{size}: {known.source}" if known else f"{size}: not in the known size table (components/vm_security.py)"
+    why = f"{size}: {known.source}" if known else f"{size}: not in the known size table (components/settings/vm_security.py)"
     on = mode == "on" or (mode == "auto" and known is not None and known.trusted_launch)
     if on:
         return VmSecurity(TRUSTED_LAUNCH, secure_boot=False, vtpm=True, lustre_client=LUSTRE_DKMS, why=why)
