@@ -48,6 +48,12 @@ def shared() -> Iterator[Path]:
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root to run as another user")
 def test_a_records_directory_the_user_cannot_create_or_write_is_one_status_problem(shared: Path) -> None:
+    # The other user runs this checkout's code: a clone inside a 0700 directory (mktemp -d) is closed to it.
+    probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable,
+                            "-c", "import tiered_ckpt.cli.app"], cwd="/", capture_output=True, timeout=60,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    if probe.returncode != 0:
+        pytest.skip(f"uid {NOBODY} cannot import the toolkit from {REPO} (a parent directory is closed to it)")
     mnt = shared / "lustrefs"                      # the mount root: root-owned, 0755
     mnt.mkdir()
     mnt.chmod(0o755)
