@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tiered_ckpt import config as config_mod
-from tiered_ckpt import replica
+from tiered_ckpt import records, replica
 from tiered_ckpt.dcp import _FILES_FQN, TieredReader, TieredWriter
 from tiered_ckpt.distributed import Comm
 from tiered_ckpt.errors import IntegrityError, UserError
@@ -161,6 +161,7 @@ def save(state: dict[str, Any], cfg: config_mod.NodeConfig, cid: CheckpointId, *
             extra=fields("memory save", model=cfg.model, checkpoint=cid.name, duration_s=time.monotonic() - t0,
                          rank=rank, world_size=world))
     committed_at = time.monotonic()
+    committed_unix, save_seconds = time.time(), committed_at - t0
 
     def failed(what: str, e: BaseException) -> None:
         j.error = j.error or e
@@ -172,15 +173,19 @@ def save(state: dict[str, Any], cfg: config_mod.NodeConfig, cid: CheckpointId, *
         # A failed replica or persist never stops training: logged, counted, and the next save's
         # caller learns of it from wait_background(). Every rank runs both steps whatever failed
         # (the persist's phases are collectives).
+        replica_seconds: float | None = None
+        persisted = False
         try:
             if cfg.memory.peer_distance and world > 1:
                 try:
                     _replicate(cfg, cid.name, copy, committed_at)
+                    replica_seconds = time.monotonic() - committed_at
                 except BaseException as e:  # noqa: BLE001 - see above
                     failed("replica", e)
             if do_persist:
                 try:
-                    persist_now(cfg, cid.name, copy)
+                    persist_now(cfg, cid.name, copy)    # False: on the root already; persisted either way
+                    persisted = True
                     if noticed:
                         stats["flushes"] += 1
                 except BaseException as e:  # noqa: BLE001 - see above
@@ -188,6 +193,12 @@ def save(state: dict[str, Any], cfg: config_mod.NodeConfig, cid: CheckpointId, *
                     failed("persist", e)
         finally:
             tm.write_stats(mdir, rank, stats)
+            # The timeline's memory lane (lifecycle/timeline.py): rank 0 records the save off the
+            # caller's path, and only on a root that is there (never creating one).
+            if rank == 0 and Path(cfg.root).is_dir():
+                records.record(cfg.root, cfg.model, records.MEMORY, {
+                    "name": cid.name, "seconds": save_seconds, "committed_unix": committed_unix,
+                    "world_size": world, "replica_seconds": replica_seconds, "persisted": persisted})
 
     j = _Job(threading.Thread(target=work, daemon=True, name="tiered-ckpt-memory"), cid.name)
     _job[:] = [j]

@@ -30,7 +30,8 @@ from tiered_ckpt.io import fsafe
 log = logging.getLogger(__name__)
 
 SAVE, ASYNC_SAVE, RETENTION, RESTORE = "save", "async_save", "retention", "restore"
-KINDS = (SAVE, ASYNC_SAVE, RETENTION, RESTORE)
+MEMORY = "memory"           # a save into the memory tier (tiered_ckpt.memory_tier), once its replica ended
+KINDS = (SAVE, ASYNC_SAVE, RETENTION, RESTORE, MEMORY)
 HISTORY, HISTORY_OLD = "history.jsonl", "history.1.jsonl"
 HISTORY_LIMIT = 8 << 20     # bytes; a save's line is ~200 bytes, so tens of thousands of operations
 LOCK_WAIT = 5.0             # seconds a writer waits for a records lock before it skips its record

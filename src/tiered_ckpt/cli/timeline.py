@@ -23,11 +23,11 @@ from tiered_ckpt.config import NodeConfig, parse_duration
 from tiered_ckpt.errors import EXIT_OK, ConfigError, UserError
 from tiered_ckpt.io import fsafe
 from tiered_ckpt.lifecycle import timeline as tl_mod
-from tiered_ckpt.lifecycle.timeline import ARCHIVE, PENDING, RESTORE, RETENTION, WRITE, Timeline
+from tiered_ckpt.lifecycle.timeline import ARCHIVE, MEMORY, PENDING, RESTORE, RETENTION, WRITE, Timeline
 from tiered_ckpt.tiers.backends import make_backend
 
 INSTALL_HINT = "pip install 'tiered-ckpt[timeline]'"
-COLORS = {WRITE: "#1f77b4", ARCHIVE: "#2ca02c", RESTORE: "#9467bd", RETENTION: "#ff7f0e"}
+COLORS = {WRITE: "#1f77b4", ARCHIVE: "#2ca02c", RESTORE: "#9467bd", RETENTION: "#ff7f0e", MEMORY: "#17becf"}
 # retention action -> (matplotlib marker, colour)
 RETENTION_MARKS = {"delete": ("X", "#ff7f0e"), "resume-delete": ("X", "#ff7f0e"), "release": ("v", "#8c564b"),
                    "blocked": ("|", "#d62728")}
@@ -52,12 +52,14 @@ def summary(tl: Timeline) -> list[tuple[str, ...]]:
     """One row per checkpoint: where it is, its write, its archive lag, retention, restores."""
     rows: list[tuple[str, ...]] = []
     for name in tl.checkpoints():
-        w = tl.of(name, WRITE)
+        w = tl.of(name, WRITE) or tl.of(name, MEMORY)     # a memory-only save: its memory commit
         a = tl.of(name, ARCHIVE)
         r = tl.of(name, RETENTION)
         x = tl.of(name, RESTORE)
         now = tl.generated_unix
         write = f"{_secs(w[-1].seconds)} at {_when(w[-1].end_unix, now)}" if w else "-"
+        if w and w[-1].kind == MEMORY:
+            write = f"memory: {write} ({w[-1].detail})"
         if not a:
             archived = "-"
         elif a[-1].action == PENDING:
@@ -131,7 +133,8 @@ def draw(tl: Timeline, path: str | Path, title: str | None = None,
     ax.set_xlim(left=0)
     ax.set_xlabel(f"{unit} since {_utc(t0)}")
     ax.set_title(title or f"tiered-ckpt timeline: {tl.model} ({tl.root})")
-    legend: list[Artist] = [Patch(color=COLORS[WRITE], label="write + commit"),
+    legend: list[Artist] = [Patch(color=COLORS[MEMORY], label="memory tier commit (node RAM)"),
+              Patch(color=COLORS[WRITE], label="write + commit"),
               Patch(color=COLORS[ARCHIVE], label="commit until proven archived"),
               Patch(facecolor="none", edgecolor=COLORS[ARCHIVE], hatch="//", label="not yet archived"),
               Patch(color=COLORS[RESTORE], label="restore (path)")]

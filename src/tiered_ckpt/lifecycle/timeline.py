@@ -11,7 +11,10 @@ Gathered from the toolkit's own records only, for the checkpoints on both tiers:
 * retention: each delete / release / blocked decision of a retention run, from the history
   (a run of identical decisions is shown once, at its first time), else the tombstone that a
   delete leaves (lifecycle/tombstone.py);
-* restore: each restore's path (resident / released / import / download) and duration.
+* restore: each restore's path (resident / released / import / download) and duration;
+* memory: a save into the memory tier (node RAM, tiered_ckpt.memory_tier): its commit on every
+  rank, with its peer replica and whether it was persisted to the root (a persisted one has its
+  write too, at the time of the persist).
 
 Checkpoints only in the archive come from the one listing of the model's blobs that the proof
 needs anyway. Nothing here renders (the command line draws it, with matplotlib, and
@@ -38,14 +41,14 @@ from tiered_ckpt.naming import CheckpointId, parse_name
 from tiered_ckpt.tiers.backends import TierBackend
 from tiered_ckpt.tiers.blob import BlobInfo
 
-WRITE, ARCHIVE, RETENTION, RESTORE = "write", "archive", "retention", "restore"
-KIND_ORDER = {WRITE: 0, ARCHIVE: 1, RETENTION: 2, RESTORE: 3}
+WRITE, ARCHIVE, RETENTION, RESTORE, MEMORY = "write", "archive", "retention", "restore", "memory"
+KIND_ORDER = {MEMORY: 0, WRITE: 1, ARCHIVE: 2, RETENTION: 3, RESTORE: 4}
 PENDING = "pending"        # the action of an archive span not proven yet (its end is None)
 
 
 @dataclass(frozen=True)
 class Event:
-    kind: str                        # write | archive | retention | restore
+    kind: str                        # write | archive | retention | restore | memory
     checkpoint: str
     start_unix: float
     end_unix: float | None = None    # None: an instant, or (archive, action "pending") still open
@@ -143,6 +146,13 @@ def _history_events(hist: list[dict[str, Any]]) -> list[Event]:
                     continue        # the timer decided the same again: shown once, at its first time
                 last_decision[d["name"]] = key
                 out.append(Event(RETENTION, d["name"], t, None, key[0], key[1]))
+        elif kind == records.MEMORY and isinstance(r.get("name"), str):
+            end = float(r.get("committed_unix") or t)
+            rs = r.get("replica_seconds")
+            detail = ", ".join([f"world size {r.get('world_size', '?')}",
+                                f"peer replica after {float(rs):.2f}s" if isinstance(rs, (int, float)) else "no peer replica",
+                                "persisted to the root" if r.get("persisted") else "not persisted"])
+            out.append(Event(MEMORY, r["name"], end - float(r.get("seconds") or 0.0), end, "memory", detail))
         elif kind == records.RESTORE and isinstance(r.get("last"), dict):
             last = r["last"]
             if isinstance(last.get("name"), str):
@@ -222,6 +232,9 @@ def gather(backend: TierBackend, since_unix: float | None = None, now: float | N
         elif p is not None:
             events.append(Event(ARCHIVE, name, committed_at, None, PENDING, p.blocked_reason()))
 
+    for ev in events:
+        if ev.kind == MEMORY and ev.checkpoint not in tl.tiers:
+            tl.tiers[ev.checkpoint] = "memory tier only"      # node RAM; never written to the root
     deleted = {e.checkpoint for e in events if e.kind == RETENTION and e.action == "delete"}
     try:
         for name, (t, _) in _tombstones(str(cfg.root), cfg.model).items():
