@@ -541,8 +541,7 @@ def _check_modes(s: dict[str, Any]) -> Problems:
 
 def _check_toolkit(s: dict[str, Any]) -> Problems:
     by_setting = {f"retention.{v}": k for k, v in RETENTION_KEYS.items()}
-    for problem in section_problems("retention", {v: s[k] for k, v in RETENTION_KEYS.items()}):
-        setting, _, rest = problem.partition(": ")
+    for setting, rest in section_problems("retention", {v: s[k] for k, v in RETENTION_KEYS.items()}):
         yield SettingsError(f"{_k(by_setting[setting])}: {rest} (the node's {setting}); set it with "
                             f"pulumi config set {_k(by_setting[setting])} <value>")
     if s["memoryKeep"] < 0:

@@ -451,14 +451,19 @@ def _joined(problems: list[str], source: str | None) -> str:
     return f"{len(problems)} problems in the configuration{where}:\n  - " + "\n  - ".join(problems)
 
 
-def section_problems(section: str, values: Mapping[str, Any]) -> list[str]:
+def section_problems(section: str, values: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Every problem of one section's settings given outside a config file (command-line flags, a
-    stack's keys), by the section's own rules and in the config's own words ("retention.keep_last: ...")."""
+    stack's keys), by the section's own rules: (setting, what is wrong and the fix), e.g.
+    ("retention.keep_last", "0 must be a whole number >= 1"); the caller names the setting its way."""
     cls = get_type_hints(NodeConfig)[section]
     try:
         TypeAdapter(cls).validate_python(dict(values))
     except ValidationError as e:
-        return [_message({**err, "loc": (section, *err["loc"])}) for err in e.errors()]
+        out = []
+        for err in e.errors():
+            key, _section = _key_of((section, *err["loc"]))
+            out.append((key, _message({**err, "loc": (section, *err["loc"])}).removeprefix(f"{key}: ")))
+        return out
     return []
 
 

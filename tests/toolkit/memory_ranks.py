@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.toolkit import gloo_ranks
 from tests.toolkit.gloo_ranks import Ranked
 
 BODY = r"""
@@ -119,18 +120,8 @@ def start(nodes: int, per_node: int, root: Path, mems: list[Path], actions: list
 
 
 def collect(t0: float, procs: list[subprocess.Popen[str]], timeout: float = 600) -> list[Ranked]:
-    done: list[Ranked] = []
-    for r, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-            rc: int | None = p.returncode
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            rc = None
-        lines = [ln for ln in out.strip().splitlines() if ln.startswith("{")]
-        done.append(Ranked(r, rc, json.loads(lines[-1]) if lines else {}, err, time.monotonic() - t0))
-    return done
+    """gloo_ranks.collect, with the longer bound a multi-node memory run needs."""
+    return gloo_ranks.collect(t0, procs, timeout)
 
 
 def run(nodes: int, per_node: int, root: Path, mems: list[Path], actions: list[list[Any]],

@@ -182,8 +182,8 @@ class Policy:
 
     def validate(self) -> None:
         """The node config's retention rules; each problem names its flag and its setting."""
-        problems = [f"--{p.split(':', 1)[0].removeprefix('retention.').replace('_', '-')} / {p}"
-                    for p in section_problems("retention", asdict(self))]
+        problems = [f"--{key.removeprefix('retention.').replace('_', '-')} / {key}: {why}"
+                    for key, why in section_problems("retention", asdict(self))]
         if len(problems) == 1:
             raise ConfigError(problems[0])
         if problems:
