@@ -2,6 +2,7 @@
 the same size limit, so a marker is never committed for one command and absent for another."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,28 @@ def test_no_module_reads_a_marker_with_a_limit_of_its_own() -> None:
             if fn in readers and "MARKER" in names and "MAX_MARKER_BYTES" not in names:
                 found.append(f"{py.relative_to(src)}:{node.lineno}")
     assert not found, f"read COMMITTED.json through tiered_ckpt.io.commit.marker_bytes: {found}"
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink", "torn"])
+def test_a_planted_or_torn_marker_is_not_committed_for_any_reader_and_blocks_none(local_env, tmp_path: Path,
+                                                                                   planted: str) -> None:
+    cfg, store, _ = local_env
+    real = make_checkpoint(cfg.root, "m", 0, 10)             # a valid marker the symlink points at
+    bad = make_checkpoint(cfg.root, "m", 0, 20)
+    marker = bad / MARKER
+    good = marker.read_bytes()
+    marker.unlink()
+    if planted == "fifo":
+        os.mkfifo(marker)                                    # a reader that opened it plainly would hang
+    elif planted == "symlink":
+        marker.symlink_to(real / MARKER)
+    else:
+        marker.write_bytes(good[: len(good) // 2])          # a crash mid-write
+    info = commit.find(cfg.root, "m", bad.name)
+    assert info is not None and not info.committed
+    with pytest.raises(UserError):
+        choose(cfg, LocalBackend(cfg, store), bad.name)
+    records, uncommitted = lustre_checkpoints(tmp_path, "lustre")
+    assert [r.name for r in records] == [real.name] and uncommitted == (f"m/{bad.name}",)
+    res = ret.apply(cfg, LocalBackend(cfg, store), ret.Policy.from_config(cfg.retention))
+    assert not any(bad.name in d for d in res.done) and bad.exists()

@@ -20,6 +20,7 @@ def _node(tmp_path: Path, backend: str) -> config.NodeConfig:
 
 
 def _mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lustre: bool) -> None:
+    # /proc/mounts lines (proc_pid_mounts(5)): the OS disk, and a Lustre client mount as mount.lustre(8) makes it
     lines = ["/dev/sda1 / ext4 rw,relatime 0 0"]
     if lustre:
         lines.append(f"10.0.0.4@tcp:/lustrefs {tmp_path / 'lustrefs'} lustre rw,flock,lazystatfs 0 0")
